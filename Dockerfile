@@ -1,0 +1,30 @@
+# The scoring worker. Built by docker-compose.yml (`docker compose up`), which
+# also runs Kafka and Redis; models are mounted, not baked in (models/registry).
+FROM python:3.11.10-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /srv
+
+# Only what the package and the worker need, so a change elsewhere (tests,
+# docs, data) does not invalidate the install layer.
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY agents ./agents
+COPY models ./models
+# The worker runs as a non-root user; Faust keeps table state under .stack/faust
+# (settings.data_dir, relative to /srv), the one place it writes.
+RUN pip install . \
+    && useradd --system --uid 10001 --no-create-home --home-dir /srv fraud \
+    && mkdir -p /srv/.stack \
+    && chown fraud /srv/.stack
+
+# Read at runtime from config/rules.json (settings.rules_path, relative to /srv).
+COPY config ./config
+
+USER fraud
+
+CMD ["fraud-pipeline", "worker"]

@@ -1,0 +1,58 @@
+# fraud-pipeline: the two commands a new user needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+FP := $(BIN)/fraud-pipeline
+STAMP := $(VENV)/.installed
+DATA := data/transactions.parquet
+DEMO_RATE ?= 300
+DEMO_DURATION ?= 20
+
+.PHONY: setup demo test test-unit stack-up stack-down stack-status simulate train materialize worker loadgen clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 \
+	  || { echo "need redis-server on PATH (Debian: apt-get install redis-server)"; exit 1; }; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+stack-up: setup
+	$(PY) -m app.stack up
+
+stack-down:
+	@test -x $(PY) && $(PY) -m app.stack down || true
+
+stack-status: setup
+	$(PY) -m app.stack status
+
+$(DATA): | setup
+	$(FP) simulate --users 2000 --merchants 4000 --days 45 --out $(DATA)
+
+simulate: setup
+	$(FP) simulate --users 2000 --merchants 4000 --days 45 --out $(DATA)
+
+train: setup $(DATA)
+	$(FP) train --data $(DATA)
+
+materialize: setup $(DATA)
+	$(FP) materialize --data $(DATA)
+
+# The main job: stack up, train if there is no model, materialize, one worker,
+# load at DEMO_RATE for DEMO_DURATION seconds, then stop everything.
+demo: setup
+	@bash scripts/demo.sh $(DEMO_RATE) $(DEMO_DURATION)
+
+# Unit tests, then integration tests against a real broker and Redis that the
+# fixtures start (or KAFKA_BOOTSTRAP / REDIS_URL when set) and stop.
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean: stack-down
+	rm -rf .stack data

@@ -1,0 +1,92 @@
+"""The decision cache: a resend gets the decision it got before.
+
+A transaction is recognised by its ``transaction_id`` (a resend) or by its
+content hash (the same payment under a new id, e.g. a client retry that
+re-generated the id). A hit is answered from the cache, marked ``cached``, and
+never reaches the feature store, so nothing is counted twice.
+
+:class:`RedisDecisionCache` shares decisions across workers (a partition that
+moves to another worker after a rebalance keeps its cache); lookups for a
+whole batch are one ``MGET``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import orjson
+
+from agents.feature_store import TTLCache
+from app.contract import Transaction
+
+__all__ = ["DecisionCache", "InMemoryDecisionCache", "RedisDecisionCache", "content_hash", "decision_keys"]
+
+_CONTENT_FIELDS = ("user_id", "amount", "currency", "merchant_id", "device_id", "lat", "lon", "timestamp")
+
+
+def content_hash(tx: Transaction) -> str:
+    """What makes two messages the same payment, whatever their ids."""
+    canonical = orjson.dumps([getattr(tx, f) for f in _CONTENT_FIELDS])
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+def decision_keys(tx: Transaction) -> tuple[str, str]:
+    return f"fp:dec:id:{tx.transaction_id}", f"fp:dec:h:{content_hash(tx)}"
+
+
+class DecisionCache(Protocol):
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]: ...
+
+    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None: ...
+
+
+class RedisDecisionCache:
+    def __init__(self, client: Any, ttl_s: int) -> None:
+        self._client = client
+        self.ttl_s = ttl_s
+
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        if not txs:
+            return []
+        keys = [k for tx in txs for k in decision_keys(tx)]
+        values = await self._client.mget(keys)
+        out: list[dict[str, Any] | None] = []
+        for i in range(len(txs)):
+            raw = values[2 * i] or values[2 * i + 1]
+            out.append(orjson.loads(raw) if raw else None)
+        return out
+
+    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for tx, decision in items:
+            blob = orjson.dumps(decision)
+            for key in decision_keys(tx):
+                # NX: the first decision stands; a racing re-score cannot replace it.
+                pipe.set(key, blob, ex=self.ttl_s, nx=True)
+        await pipe.execute()
+
+
+class InMemoryDecisionCache:
+    def __init__(self, ttl_s: float = 3600) -> None:
+        self._items = TTLCache(ttl_s)
+
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        now = time.monotonic()
+        out = []
+        for tx in txs:
+            by_id, by_hash = decision_keys(tx)
+            hit, value = self._items.get(by_id, now)
+            if not hit:
+                hit, value = self._items.get(by_hash, now)
+            out.append(value if hit else None)
+        return out
+
+    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        now = time.monotonic()
+        for tx, decision in items:
+            for key in decision_keys(tx):
+                if not self._items.get(key, now)[0]:
+                    self._items.put(key, decision, now)

@@ -1,0 +1,64 @@
+"""Decision assembly: model reasons in words, rule hits, the decision record."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from agents.features import FEATURE_NAMES
+
+__all__ = ["describe_reason", "explain"]
+
+_WINDOW_WORDS = {"10m": "10 minutes", "1h": "hour", "24h": "24 hours", "1d": "day", "7d": "7 days", "30d": "30 days"}
+_INDEX = {name: i for i, name in enumerate(FEATURE_NAMES)}
+
+
+def describe_reason(name: str, row: Sequence[float]) -> str:
+    """One model reason in words, using the transaction's own feature values."""
+    value = float(row[_INDEX[name]])
+    if math.isnan(value):
+        return f"{name.replace('_', ' ')} unknown"
+    window = _WINDOW_WORDS.get(name.rsplit("_", 1)[-1], "")
+    if name in ("amount_usd", "log_amount"):
+        return f"amount {row[_INDEX['amount_usd']]:,.2f} USD"
+    if name == "amount_ratio_30d":
+        return f"amount {value:.1f}x the 30-day average"
+    if name == "amount_zscore_30d":
+        return f"amount {value:+.1f} standard deviations from the 30-day average"
+    if name == "distance_from_home_km":
+        return f"{value:,.0f} km from home"
+    if name == "new_device":
+        return "new device" if value >= 0.5 else "known device"
+    if name == "is_night":
+        return "night-time transaction" if value >= 0.5 else "daytime transaction"
+    if name == "is_weekend":
+        return "weekend transaction" if value >= 0.5 else "weekday transaction"
+    if name == "account_age_days":
+        return f"account {value:,.0f} days old"
+    if name.startswith("velocity_count"):
+        return f"{value:,.0f} transactions in the last {window}"
+    if name.startswith("velocity_sum"):
+        return f"{value:,.2f} USD spent in the last {window}"
+    if name.startswith("merchant_risk"):
+        return f"merchant fraud rate {value:.0%} over {window}"
+    if name.startswith("merchant_count"):
+        return f"merchant had {value:,.0f} transactions over {window}"
+    if name.startswith("user_count"):
+        return f"{value:,.0f} transactions by the user over the previous {window}"
+    if name.startswith("user_mean"):
+        return f"user's average {value:,.2f} USD over {window}"
+    if name == "user_std_30d":
+        return f"user's 30-day amount spread {value:,.2f} USD"
+    return name.replace("_", " ")
+
+
+def explain(
+    reasons: Sequence[tuple[str, float]], row: Sequence[float], rule_hits: Sequence[str]
+) -> list[str]:
+    """Rule hits first (they decided), then the model's top reasons, de-duplicated."""
+    words = list(rule_hits)
+    for name, _ in reasons:
+        text = describe_reason(name, row)
+        if text not in words:
+            words.append(text)
+    return words

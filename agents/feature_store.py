@@ -1,0 +1,225 @@
+"""The online feature store: profiles, merchant risk and velocity state.
+
+:class:`RedisFeatureStore` does one round trip per micro-batch: a pipeline that
+reads each user's profile and each merchant's risk (unless held in the short
+local cache) and updates-then-reads each user's velocity sorted set. The sorted
+set's member is the transaction id (with its amount), so a redelivered or
+re-scored transaction is added once: velocity is idempotent under redelivery.
+
+:class:`InMemoryFeatureStore` implements the same protocol over dicts, for
+tests that exercise the agent without Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from agents.features import (
+    DAY_S,
+    FEATURE_SET_VERSION,
+    MerchantRisk,
+    UserProfile,
+    velocity_from_events,
+)
+from app.contract import Transaction
+from app.errors import FeatureStoreError
+
+__all__ = [
+    "Enrichment",
+    "FeatureStore",
+    "InMemoryFeatureStore",
+    "RedisFeatureStore",
+    "TTLCache",
+    "merchant_key",
+    "profile_key",
+    "velocity_key",
+    "velocity_member",
+]
+
+#: Velocity events older than this (relative to the transaction) are pruned.
+#: Two days: the 24 h window plus the oldest transaction validation accepts.
+VELOCITY_RETENTION_S = 2 * DAY_S
+
+
+# NOTE: the braces are Redis Cluster hash tags: a user's keys share one slot, so
+# a batch's pipeline needs no cross-slot redirects for one user's reads/writes.
+def profile_key(user_id: str) -> str:
+    return f"fp:{{u:{user_id}}}:profile"
+
+
+def velocity_key(user_id: str) -> str:
+    return f"fp:{{u:{user_id}}}:vel"
+
+
+def merchant_key(merchant_id: str) -> str:
+    return f"fp:{{m:{merchant_id}}}:risk"
+
+
+def velocity_member(tx: Transaction) -> str:
+    """Sorted-set member of a transaction: its id makes re-adding a no-op."""
+    return f"{tx.transaction_id}|{tx.amount_usd!r}"
+
+
+def _member_amount(member: bytes | str) -> float:
+    text = member.decode() if isinstance(member, bytes) else member
+    return float(text.rsplit("|", 1)[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Enrichment:
+    """What the store knows about one transaction's user and merchant."""
+
+    profile: UserProfile | None
+    merchant: MerchantRisk | None
+    velocity: tuple[float, ...]
+
+    def feature_age_s(self, now: float) -> float | None:
+        return None if self.profile is None else now - self.profile.as_of
+
+
+class FeatureStore(Protocol):
+    async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        """Profiles, merchant risk and velocity (after adding each transaction)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class TTLCache:
+    """A small dict whose entries expire; bounded so it cannot grow forever."""
+
+    def __init__(self, ttl_s: float, max_items: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_items = max_items
+        self._items: dict[str, tuple[float, Any]] = {}
+
+    def get(self, key: str, now: float) -> tuple[bool, Any]:
+        hit = self._items.get(key)
+        if hit is None or hit[0] < now:
+            return False, None
+        return True, hit[1]
+
+    def put(self, key: str, value: Any, now: float) -> None:
+        if len(self._items) >= self.max_items:
+            # Drop the oldest insertions (dicts keep insertion order).
+            for old in list(self._items)[: self.max_items // 10 or 1]:
+                del self._items[old]
+        self._items[key] = (now + self.ttl_s, value)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _decode_profile(raw: Mapping[Any, Any]) -> UserProfile | None:
+    if not raw:
+        return None
+    profile = UserProfile.from_mapping(dict(raw))
+    return profile
+
+
+def _check_feature_set(raw: Mapping[Any, Any], key: str) -> None:
+    version = raw.get(b"feature_set", raw.get("feature_set"))
+    if isinstance(version, bytes):
+        version = version.decode()
+    if version != FEATURE_SET_VERSION:
+        raise FeatureStoreError(
+            f"{key} has feature set {version!r}, this code computes {FEATURE_SET_VERSION!r}: "
+            "re-run `fraud-pipeline materialize`"
+        )
+
+
+class RedisFeatureStore:
+    """Redis-backed store; one pipeline per batch over a pooled connection."""
+
+    def __init__(self, client: Any, *, local_cache_ttl_s: float = 30.0) -> None:
+        """``client`` is a ``redis.asyncio.Redis`` (its pool is shared with the decision cache)."""
+        self._client = client
+        self._profiles = TTLCache(local_cache_ttl_s)
+        self._merchants = TTLCache(local_cache_ttl_s)
+
+    async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        now = time.monotonic()
+        pipe = self._client.pipeline(transaction=False)
+        plan: list[tuple[bool, bool]] = []
+        for tx in txs:
+            need_profile = not self._profiles.get(tx.user_id, now)[0]
+            need_merchant = not self._merchants.get(tx.merchant_id, now)[0]
+            if need_profile:
+                pipe.hgetall(profile_key(tx.user_id))
+            if need_merchant:
+                pipe.hgetall(merchant_key(tx.merchant_id))
+            key = velocity_key(tx.user_id)
+            pipe.zadd(key, {velocity_member(tx): tx.timestamp})
+            pipe.zremrangebyscore(key, "-inf", f"({tx.timestamp - VELOCITY_RETENTION_S}")
+            pipe.zrangebyscore(key, f"({tx.timestamp - DAY_S}", tx.timestamp, withscores=True)
+            pipe.expire(key, int(VELOCITY_RETENTION_S))
+            plan.append((need_profile, need_merchant))
+        try:
+            replies = iter(await pipe.execute())
+        except Exception as exc:  # connection refused, timeout, OOM...
+            raise FeatureStoreError(f"Redis pipeline failed: {exc!r}") from exc
+        out: list[Enrichment] = []
+        for tx, (need_profile, need_merchant) in zip(txs, plan):
+            if need_profile:
+                raw = next(replies)
+                if raw:
+                    _check_feature_set(raw, profile_key(tx.user_id))
+                self._profiles.put(tx.user_id, _decode_profile(raw), now)
+            if need_merchant:
+                raw = next(replies)
+                self._merchants.put(tx.merchant_id, MerchantRisk.from_mapping(raw) if raw else None, now)
+            _added, _pruned, events, _expire = next(replies), next(replies), next(replies), next(replies)
+            times = np.fromiter((score for _, score in events), dtype=np.float64, count=len(events))
+            amounts = np.fromiter((_member_amount(m) for m, _ in events), dtype=np.float64, count=len(events))
+            out.append(
+                Enrichment(
+                    profile=self._profiles.get(tx.user_id, now)[1],
+                    merchant=self._merchants.get(tx.merchant_id, now)[1],
+                    velocity=velocity_from_events(times, amounts, tx.timestamp),
+                )
+            )
+        return out
+
+    async def close(self) -> None:
+        return None  # the client belongs to whoever built it
+
+
+class InMemoryFeatureStore:
+    """The same protocol over dicts: profiles and merchants set by the test."""
+
+    def __init__(
+        self,
+        profiles: Mapping[str, UserProfile] | None = None,
+        merchants: Mapping[str, MerchantRisk] | None = None,
+    ) -> None:
+        self.profiles = dict(profiles or {})
+        self.merchants = dict(merchants or {})
+        self.events: dict[str, dict[str, tuple[float, float]]] = {}
+        self.fail: Exception | None = None
+
+    async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        if self.fail is not None:
+            raise FeatureStoreError(f"in-memory store set to fail: {self.fail!r}")
+        out = []
+        for tx in txs:
+            events = self.events.setdefault(tx.user_id, {})
+            events[tx.transaction_id] = (tx.timestamp, tx.amount_usd)
+            window = [v for v in events.values() if tx.timestamp - DAY_S < v[0] <= tx.timestamp]
+            times = np.array([t for t, _ in window], dtype=np.float64)
+            amounts = np.array([a for _, a in window], dtype=np.float64)
+            out.append(
+                Enrichment(
+                    profile=self.profiles.get(tx.user_id),
+                    merchant=self.merchants.get(tx.merchant_id),
+                    velocity=velocity_from_events(times, amounts, tx.timestamp),
+                )
+            )
+        return out
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,451 @@
+"""Features, defined once for training and serving.
+
+Three kinds of input feed one function, :func:`feature_row`:
+
+* a **user profile** (:class:`UserProfile`), precomputed in batch as of a day
+  boundary by :func:`build_user_profiles`: counts and mean/std of amounts over
+  1/7/30 days, home location, known devices, first-seen time;
+* **merchant risk** (:class:`MerchantRisk`), the fraud rate of the merchant's
+  transactions over 1/7/30 days *ending a label delay ago* (labels arrive late;
+  the Handbook uses 7 days), by :func:`build_merchant_risk`;
+* **velocity** (:func:`velocity_from_events`): count and sum of the user's
+  transactions in the last 10 min / 1 h / 24 h, *including* the current one.
+
+Serving reads profiles and merchant risk from Redis (written by
+``fraud-pipeline materialize`` with the same builders) and velocity events from a
+per-user sorted set. Training (:func:`training_matrix`) rebuilds the profile as of
+the start of each transaction's day and velocity from the transactions before it,
+so a feature at time t never sees data after t, and the served and trained
+vectors come from the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from app.contract import CURRENCY_TO_USD, Transaction
+
+__all__ = [
+    "DAY_S",
+    "FEATURE_NAMES",
+    "FEATURE_REQUIRES",
+    "FEATURE_SET_VERSION",
+    "MERCHANT_LABEL_DELAY_DAYS",
+    "MerchantRisk",
+    "UserProfile",
+    "available_features",
+    "build_merchant_risk",
+    "build_user_profiles",
+    "feature_matrix",
+    "feature_row",
+    "haversine_km",
+    "prepare_history",
+    "training_matrix",
+    "velocity_from_events",
+]
+
+#: Bump when a feature's definition changes: profiles in Redis and models in the
+#: registry carry it, and a mismatch is refused rather than silently mis-scored.
+FEATURE_SET_VERSION = "fs1"
+
+DAY_S = 86400.0
+PROFILE_WINDOWS_DAYS = (1, 7, 30)
+VELOCITY_WINDOWS_S = (600.0, 3600.0, 86400.0)
+MERCHANT_LABEL_DELAY_DAYS = 7
+HOME_WINDOW_DAYS = 90
+MAX_KNOWN_DEVICES = 16
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "amount_usd",
+    "log_amount",
+    "is_night",
+    "is_weekend",
+    "user_count_1d",
+    "user_count_7d",
+    "user_count_30d",
+    "user_mean_1d",
+    "user_mean_7d",
+    "user_mean_30d",
+    "user_std_30d",
+    "amount_ratio_30d",
+    "amount_zscore_30d",
+    "account_age_days",
+    "distance_from_home_km",
+    "new_device",
+    "merchant_count_1d",
+    "merchant_count_7d",
+    "merchant_count_30d",
+    "merchant_risk_1d",
+    "merchant_risk_7d",
+    "merchant_risk_30d",
+    "velocity_count_10m",
+    "velocity_count_1h",
+    "velocity_count_24h",
+    "velocity_sum_10m",
+    "velocity_sum_1h",
+    "velocity_sum_24h",
+)
+
+#: Features that need optional transaction columns. Training on a file without
+#: them drops these features; serving then never asks the model for them.
+FEATURE_REQUIRES: dict[str, tuple[str, ...]] = {
+    "distance_from_home_km": ("lat", "lon"),
+    "new_device": ("device_id",),
+}
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class UserProfile:
+    """A user's behaviour before ``as_of`` (epoch seconds, a day boundary)."""
+
+    count_1d: int
+    count_7d: int
+    count_30d: int
+    mean_1d: float
+    mean_7d: float
+    mean_30d: float
+    std_30d: float
+    home_lat: float
+    home_lon: float
+    devices: frozenset[str]
+    first_seen: float
+    as_of: float
+
+    def to_mapping(self) -> dict[str, str]:
+        """Flat string mapping, the shape of a Redis hash."""
+        out = {
+            name: repr(getattr(self, name))
+            for name in (
+                "count_1d", "count_7d", "count_30d", "mean_1d", "mean_7d", "mean_30d",
+                "std_30d", "home_lat", "home_lon", "first_seen", "as_of",
+            )
+        }
+        out["devices"] = "\x1f".join(sorted(self.devices))
+        out["feature_set"] = FEATURE_SET_VERSION
+        return out
+
+    @classmethod
+    def from_mapping(cls, raw: dict[Any, Any]) -> UserProfile:
+        get = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        devices = get.get("devices", "")
+        return cls(
+            count_1d=int(get["count_1d"]),
+            count_7d=int(get["count_7d"]),
+            count_30d=int(get["count_30d"]),
+            mean_1d=float(get["mean_1d"]),
+            mean_7d=float(get["mean_7d"]),
+            mean_30d=float(get["mean_30d"]),
+            std_30d=float(get["std_30d"]),
+            home_lat=float(get["home_lat"]),
+            home_lon=float(get["home_lon"]),
+            devices=frozenset(devices.split("\x1f")) if devices else frozenset(),
+            first_seen=float(get["first_seen"]),
+            as_of=float(get["as_of"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MerchantRisk:
+    """Merchant volume and fraud rate over windows ending ``delay`` days before ``as_of``."""
+
+    count_1d: int
+    count_7d: int
+    count_30d: int
+    risk_1d: float
+    risk_7d: float
+    risk_30d: float
+    as_of: float
+
+    def to_mapping(self) -> dict[str, str]:
+        out = {name: repr(getattr(self, name)) for name in self.__slots__}
+        out["feature_set"] = FEATURE_SET_VERSION
+        return out
+
+    @classmethod
+    def from_mapping(cls, raw: dict[Any, Any]) -> MerchantRisk:
+        get = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        return cls(
+            count_1d=int(get["count_1d"]),
+            count_7d=int(get["count_7d"]),
+            count_30d=int(get["count_30d"]),
+            risk_1d=float(get["risk_1d"]),
+            risk_7d=float(get["risk_7d"]),
+            risk_30d=float(get["risk_30d"]),
+            as_of=float(get["as_of"]),
+        )
+
+
+# --- real-time features ------------------------------------------------------
+
+
+def haversine_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    dp, dl = p2 - p1, math.radians(lon2 - lon1)
+    a = math.sin(dp / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(dl / 2) ** 2
+    return 2 * 6371.0088 * math.asin(min(1.0, math.sqrt(a)))
+
+
+def velocity_from_events(times: np.ndarray, amounts: np.ndarray, now: float) -> tuple[float, ...]:
+    """Counts then sums of events with ``now - w < time <= now`` per velocity window.
+
+    ``times``/``amounts`` are the user's events of the last 24 h (any order),
+    the current transaction included.
+    """
+    times = np.asarray(times, dtype=np.float64)
+    amounts = np.asarray(amounts, dtype=np.float64)
+    upto = times <= now
+    counts, sums = [], []
+    for window in VELOCITY_WINDOWS_S:
+        inside = upto & (times > now - window)
+        counts.append(float(np.count_nonzero(inside)))
+        sums.append(float(amounts[inside].sum()))
+    return (*counts, *sums)
+
+
+def feature_row(
+    tx: Transaction,
+    profile: UserProfile | None,
+    merchant: MerchantRisk | None,
+    velocity: Sequence[float],
+) -> list[float]:
+    """The model's input for one transaction, in :data:`FEATURE_NAMES` order.
+
+    A missing profile (a new user) or missing optional field gives NaN where a
+    value cannot be known; XGBoost routes NaN down each split's learned default.
+    """
+    amount = tx.amount * CURRENCY_TO_USD.get(tx.currency, 1.0)
+    seconds_of_day = tx.timestamp % DAY_S
+    # 1970-01-01 was a Thursday: weekday 3 with Monday = 0.
+    weekday = (int(tx.timestamp // DAY_S) + 3) % 7
+    if profile is None:
+        user = [0.0, 0.0, 0.0, NAN, NAN, NAN, NAN]
+        ratio = zscore = age = distance = NAN
+        new_device = 1.0 if tx.device_id is not None else NAN
+    else:
+        user = [
+            float(profile.count_1d), float(profile.count_7d), float(profile.count_30d),
+            profile.mean_1d, profile.mean_7d, profile.mean_30d, profile.std_30d,
+        ]
+        mean, std = profile.mean_30d, profile.std_30d
+        ratio = amount / mean if mean > 0 else NAN
+        zscore = (amount - mean) / std if std > 0 else NAN
+        age = (tx.timestamp - profile.first_seen) / DAY_S
+        distance = (
+            haversine_km(tx.lat, tx.lon, profile.home_lat, profile.home_lon)
+            if tx.lat is not None and tx.lon is not None and not math.isnan(profile.home_lat)
+            else NAN
+        )
+        new_device = NAN if tx.device_id is None else float(tx.device_id not in profile.devices)
+    if merchant is None:
+        merchant_part = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    else:
+        merchant_part = [
+            float(merchant.count_1d), float(merchant.count_7d), float(merchant.count_30d),
+            merchant.risk_1d, merchant.risk_7d, merchant.risk_30d,
+        ]
+    return [
+        amount,
+        math.log1p(amount),
+        1.0 if seconds_of_day < 6 * 3600 else 0.0,
+        1.0 if weekday >= 5 else 0.0,
+        *user,
+        ratio,
+        zscore,
+        age,
+        distance,
+        new_device,
+        *merchant_part,
+        *velocity,
+    ]
+
+
+def feature_matrix(rows: Iterable[list[float]]) -> np.ndarray:
+    """Stack rows into the float32 matrix the models take."""
+    matrix = np.asarray(list(rows), dtype=np.float32)
+    return matrix.reshape(-1, len(FEATURE_NAMES))
+
+
+def available_features(columns: Iterable[str]) -> list[str]:
+    """The features computable from a file with these columns."""
+    have = set(columns)
+    return [name for name in FEATURE_NAMES if all(col in have for col in FEATURE_REQUIRES.get(name, ()))]
+
+
+# --- batch builders (materialization and training) ---------------------------
+
+
+def prepare_history(df: pd.DataFrame) -> pd.DataFrame:
+    """Normalise a transactions frame: epoch-seconds ``ts``, ``amount_usd``,
+    optional columns present (null when the file lacks them), sorted by time."""
+    out = pd.DataFrame(
+        {
+            "transaction_id": df["transaction_id"].astype(str),
+            "user_id": df["user_id"].astype(str),
+            "merchant_id": df["merchant_id"].astype(str),
+            "amount": df["amount"].astype(np.float64),
+        }
+    )
+    ts = pd.to_datetime(df["timestamp"], utc=True)
+    out["ts"] = ts.astype("int64").to_numpy() / _ns_per_unit(ts)
+    currency = df["currency"].fillna("USD") if "currency" in df else pd.Series("USD", index=df.index)
+    out["currency"] = currency.astype(str)
+    out["amount_usd"] = out["amount"] * out["currency"].map(CURRENCY_TO_USD).fillna(1.0)
+    for col in ("merchant_category", "device_id", "country"):
+        out[col] = df[col].astype(object).where(df[col].notna(), None) if col in df else None
+    for col in ("lat", "lon"):
+        out[col] = df[col].astype(np.float64) if col in df else np.nan
+    if "label" in df:
+        out["label"] = df["label"].astype(np.int8)
+    return out.sort_values("ts", kind="stable").reset_index(drop=True)
+
+
+def _ns_per_unit(ts: pd.Series) -> float:
+    # int64 view of a datetime64 column counts in its unit (ns, us or ms).
+    unit = np.datetime_data(ts.dtype.base if hasattr(ts.dtype, "base") else ts.dtype)[0]
+    return {"ns": 1e9, "us": 1e6, "ms": 1e3, "s": 1.0}[unit]
+
+
+def build_user_profiles(history: pd.DataFrame, as_of: float) -> dict[str, UserProfile]:
+    """Profiles of every user seen before ``as_of``, from :func:`prepare_history` rows."""
+    past = history[history["ts"] < as_of]
+    if past.empty:
+        return {}
+    by_user = past.groupby("user_id", sort=False)
+    first_seen = by_user["ts"].min()
+    stats: dict[str, pd.Series] = {}
+    for days in PROFILE_WINDOWS_DAYS:
+        recent = past[past["ts"] >= as_of - days * DAY_S].groupby("user_id", sort=False)["amount_usd"]
+        stats[f"count_{days}d"] = recent.count()
+        stats[f"mean_{days}d"] = recent.mean()
+        if days == 30:
+            stats["std_30d"] = recent.std(ddof=0)
+    home_rows = past[(past["ts"] >= as_of - HOME_WINDOW_DAYS * DAY_S) & past["lat"].notna()]
+    home = home_rows.groupby("user_id", sort=False)[["lat", "lon"]].median()
+    with_device = past[past["device_id"].notna()]
+    # Keep the most recently used devices: a profile must stay bounded in size.
+    devices = (
+        with_device.drop_duplicates(["user_id", "device_id"], keep="last")
+        .groupby("user_id", sort=False)["device_id"]
+        .agg(lambda s: frozenset(s.iloc[-MAX_KNOWN_DEVICES:]))
+    )
+    frame = pd.DataFrame(stats).reindex(first_seen.index)
+    frame = frame.join(home, how="left").join(devices.rename("devices"), how="left")
+    profiles: dict[str, UserProfile] = {}
+    for user, row in zip(frame.index, frame.itertuples(index=False)):
+        profiles[user] = UserProfile(
+            count_1d=_count(row.count_1d),
+            count_7d=_count(row.count_7d),
+            count_30d=_count(row.count_30d),
+            mean_1d=_float(row.mean_1d),
+            mean_7d=_float(row.mean_7d),
+            mean_30d=_float(row.mean_30d),
+            std_30d=_float(row.std_30d),
+            home_lat=_float(row.lat),
+            home_lon=_float(row.lon),
+            devices=row.devices if isinstance(row.devices, frozenset) else frozenset(),
+            first_seen=float(first_seen[user]),
+            as_of=float(as_of),
+        )
+    return profiles
+
+
+def build_merchant_risk(
+    history: pd.DataFrame, as_of: float, delay_days: int = MERCHANT_LABEL_DELAY_DAYS
+) -> dict[str, MerchantRisk]:
+    """Merchant risk as known at ``as_of``: labels of the last ``delay_days`` are
+    not known yet, so each window ends ``delay_days`` before ``as_of``."""
+    if "label" not in history:
+        return {}
+    end = as_of - delay_days * DAY_S
+    window = history[(history["ts"] < end) & (history["ts"] >= end - max(PROFILE_WINDOWS_DAYS) * DAY_S)]
+    if window.empty:
+        return {}
+    columns: dict[str, pd.Series] = {}
+    for days in PROFILE_WINDOWS_DAYS:
+        grouped = window[window["ts"] >= end - days * DAY_S].groupby("merchant_id", sort=False)["label"]
+        columns[f"count_{days}d"] = grouped.count()
+        columns[f"risk_{days}d"] = grouped.mean()
+    frame = pd.DataFrame(columns).fillna(0.0)
+    return {
+        merchant: MerchantRisk(
+            count_1d=int(row.count_1d), count_7d=int(row.count_7d), count_30d=int(row.count_30d),
+            risk_1d=float(row.risk_1d), risk_7d=float(row.risk_7d), risk_30d=float(row.risk_30d),
+            as_of=float(as_of),
+        )
+        for merchant, row in zip(frame.index, frame.itertuples(index=False))
+    }
+
+
+def _count(value: Any) -> int:
+    return 0 if value is None or (isinstance(value, float) and math.isnan(value)) else int(value)
+
+
+def _float(value: Any) -> float:
+    return NAN if value is None else float(value)
+
+
+def history_transactions(history: pd.DataFrame) -> Iterator[Transaction]:
+    """Rows of :func:`prepare_history` as contract transactions."""
+    for row in history.itertuples(index=False):
+        yield Transaction(
+            transaction_id=row.transaction_id,
+            user_id=row.user_id,
+            amount=row.amount,
+            merchant_id=row.merchant_id,
+            timestamp=row.ts,
+            currency=row.currency,
+            merchant_category=row.merchant_category,
+            device_id=row.device_id,
+            lat=None if math.isnan(row.lat) else row.lat,
+            lon=None if math.isnan(row.lon) else row.lon,
+            country=row.country,
+        )
+
+
+def training_matrix(
+    history: pd.DataFrame, start: float, end: float, progress: bool = False
+) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+    """Point-in-time features for the transactions with ``start <= ts < end``.
+
+    Each day's rows see the profile and merchant risk as of that day's start
+    (what ``materialize`` would have written that night) and velocity over the
+    user's own transactions up to and including the row. Returns the matrix in
+    :data:`FEATURE_NAMES` order, the labels and the rows (for evaluation).
+    """
+    from tqdm import tqdm
+
+    rows = history[(history["ts"] >= start) & (history["ts"] < end)]
+    user_times, user_amounts = _user_series(history[history["ts"] < end])
+    day_starts = np.arange(math.floor(start / DAY_S) * DAY_S, end, DAY_S)
+    features: list[list[float]] = []
+    for day in tqdm(day_starts, desc="features", unit="day", disable=not progress):
+        day_rows = rows[(rows["ts"] >= day) & (rows["ts"] < day + DAY_S)]
+        if day_rows.empty:
+            continue
+        profiles = build_user_profiles(history, day)
+        merchants = build_merchant_risk(history, day)
+        for tx in history_transactions(day_rows):
+            times, amounts = user_times[tx.user_id], user_amounts[tx.user_id]
+            hi = int(np.searchsorted(times, tx.timestamp, side="right"))
+            lo = int(np.searchsorted(times, tx.timestamp - DAY_S, side="right"))
+            velocity = velocity_from_events(times[lo:hi], amounts[lo:hi], tx.timestamp)
+            features.append(feature_row(tx, profiles.get(tx.user_id), merchants.get(tx.merchant_id), velocity))
+    labels = rows["label"].to_numpy(dtype=np.int8) if "label" in rows else np.zeros(len(rows), np.int8)
+    return feature_matrix(features), labels, rows.reset_index(drop=True)
+
+
+def _user_series(history: pd.DataFrame) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    times: dict[str, np.ndarray] = {}
+    amounts: dict[str, np.ndarray] = {}
+    for user, group in history.groupby("user_id", sort=False):
+        times[user] = group["ts"].to_numpy()
+        amounts[user] = group["amount_usd"].to_numpy()
+    return times, amounts

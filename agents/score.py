@@ -1,0 +1,362 @@
+"""Score one micro-batch: the whole flow, top to bottom.
+
+    raw messages ─ validate ─┬─ rejections ──────────────────────────────► reject + DLQ
+                             └─ cache ─┬─ hits ───────────────────────────► cached decision
+                                       └─ enrich (1 Redis round trip) ─ features ─ ensemble
+                                          (50 ms budget) ─ rules ─────────► decision
+                                                          └ failure/late ─► rules-only, degraded
+
+:class:`Scorer` is free of Kafka: it turns a list of :class:`Inbound` messages
+into a :class:`BatchOutput` (what to produce where). The faust agent in
+:mod:`app.faust_app` only moves batches in and out. Every message gets exactly
+one outcome: a decision, or a decision with action ``reject`` plus a
+dead-letter record; nothing raised here may escape (faust would ack and lose
+the batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from agents.cache import DecisionCache, content_hash
+from agents.decide import explain
+from agents.feature_store import Enrichment, FeatureStore
+from agents.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
+from agents.rules import RuleSet, evaluate_rules
+from agents.validate import Limits, Rejection, validate
+from app.contract import Decision, Transaction
+from models.ensemble import Prediction, ScoringModel
+
+__all__ = ["BatchOutput", "Inbound", "Scorer"]
+
+log = logging.getLogger(__name__)
+
+CORRELATION_HEADERS = ("correlation-id", "correlation_id", "x-correlation-id")
+SCORE_BINS = np.linspace(0.0, 1.0, 11)
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One message as read from ``transactions``."""
+
+    value: bytes
+    headers: dict[str, bytes] = field(default_factory=dict)
+    timestamp: float | None = None
+    """The record's timestamp (producer send time), epoch seconds."""
+    partition: int | None = None
+    offset: int | None = None
+
+    @property
+    def correlation_id(self) -> str | None:
+        for name in CORRELATION_HEADERS:
+            raw = self.headers.get(name)
+            if raw:
+                return raw.decode("utf-8", "replace")[:128]
+        return None
+
+
+@dataclass
+class BatchOutput:
+    """Messages to produce, as (key, value) pairs per topic."""
+
+    decisions: list[tuple[bytes, bytes]] = field(default_factory=list)
+    dead_letters: list[tuple[bytes | None, bytes]] = field(default_factory=list)
+    feedback: list[tuple[bytes, bytes]] = field(default_factory=list)
+    monitoring: bytes | None = None
+    to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
+
+
+class _Clock:
+    """Stage timer: ``lap(name)`` records the ms since the previous lap."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.ms[name] = round((now - self.last) * 1000, 3)
+        self.last = now
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000
+
+
+class Scorer:
+    def __init__(
+        self,
+        *,
+        model: ScoringModel | None,
+        rules: RuleSet,
+        store: FeatureStore,
+        cache: DecisionCache,
+        limits: Limits = Limits(),
+        model_budget_s: float = 0.05,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.rules = rules
+        self.store = store
+        self.cache = cache
+        self.limits = limits
+        self.model_budget_s = model_budget_s
+        self.wall_clock = wall_clock
+        # NOTE: one thread: a prediction that overran its budget keeps the thread
+        # busy, so the next batch also misses and degrades instead of piling up
+        # CPU-bound work on 2 cores.
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def score_batch(self, batch: Sequence[Inbound]) -> BatchOutput:
+        try:
+            return await self._score(batch)
+        except Exception as exc:  # a bug must not cost the batch: reject each message loudly
+            log.exception("scoring a batch of %d failed; rejecting it to the dead-letter topic", len(batch))
+            return self._reject_all(batch, exc)
+
+    async def _score(self, batch: Sequence[Inbound]) -> BatchOutput:
+        clock = _Clock()
+        now = self.wall_clock()
+        out = BatchOutput()
+        stats: Counter[str] = Counter(batch=len(batch))
+
+        # 1. validate
+        valid: list[tuple[Inbound, Transaction]] = []
+        for msg in batch:
+            checked = validate(msg.value, now, self.limits)
+            if isinstance(checked, Rejection):
+                self._reject(out, msg, checked, now)
+                stats["rejected"] += 1
+            else:
+                valid.append((msg, checked))
+        clock.lap("validate")
+
+        # 2. cache: resends are answered as before and go no further
+        fresh, followers = await self._answer_from_cache(valid, out, clock, stats)
+        clock.lap("cache")
+
+        # 3. enrich: one round trip for the batch
+        txs = [tx for _, tx in fresh]
+        enrichments: list[Enrichment] | None = None
+        degraded_reason = None
+        if txs:
+            try:
+                enrichments = await self.store.enrich(txs)
+            except Exception as exc:
+                degraded_reason = "feature store unavailable"
+                log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
+        rows = [
+            feature_row(tx, e.profile, e.merchant, e.velocity) for tx, e in zip(txs, enrichments or [])
+        ]
+        clock.lap("features")
+
+        # 4. ensemble under its budget
+        prediction = None
+        if rows and self.model is not None:
+            prediction, degraded_reason = await self._predict(feature_matrix(rows))
+        elif txs and self.model is None:
+            degraded_reason = degraded_reason or "no model loaded"
+        clock.lap("model")
+
+        # 5. rules and the decision
+        scores = prediction.scores if prediction is not None else None
+        drafts = []
+        for i, (msg, tx) in enumerate(fresh):
+            score = float(scores[i]) if scores is not None else None
+            outcome = evaluate_rules(self.rules, tx, score)
+            reasons = prediction.reasons[i] if prediction is not None and prediction.reasons else []
+            words = explain(reasons, rows[i], outcome.hits) if rows else list(outcome.hits)
+            if score is None:
+                words.append(f"degraded: {degraded_reason}")
+            drafts.append((msg, tx, score, outcome.action, words))
+        clock.lap("rules")
+
+        decided = self.wall_clock()
+        records: list[dict[str, Any]] = []
+        for i, (msg, tx, score, action, words) in enumerate(drafts):
+            enrichment = enrichments[i] if enrichments else None
+            decision = Decision(
+                transaction_id=tx.transaction_id,
+                user_id=tx.user_id,
+                fraud_score=round(score, 6) if score is not None else _fallback_score(action),
+                action=action,  # type: ignore[arg-type]
+                explanation=words,
+                model_version=self.model.version if score is not None and self.model else None,
+                rules_version=self.rules.version,
+                degraded=score is None,
+                feature_age_s=_round(enrichment.feature_age_s(tx.timestamp)) if enrichment else None,
+                latency_ms=self._latency(msg, clock, decided),
+                correlation_id=msg.correlation_id,
+                decided_at=decided,
+            )
+            record = decision.to_dict()
+            records.append(record)
+            out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
+            out.to_cache.append((tx, record))
+            out.feedback.append((tx.transaction_id.encode(), self._feedback(tx, record, rows[i] if rows else None)))
+            stats[action] += 1
+            stats["degraded"] += score is None
+        for msg, tx, leader in followers:  # resent within this very batch
+            self._emit_cached(out, msg, tx, records[leader], clock)
+            stats["cached"] += 1
+        out.monitoring = self._monitoring(stats, clock, scores)
+        return out
+
+    async def _answer_from_cache(
+        self,
+        valid: list[tuple[Inbound, Transaction]],
+        out: BatchOutput,
+        clock: _Clock,
+        stats: Counter[str],
+    ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
+        """Emit cached decisions; return the transactions to score and the
+        in-batch resends (with the index of the copy they follow)."""
+        if not valid:
+            return [], []
+        try:
+            hits = await self.cache.get_many([tx for _, tx in valid])
+        except Exception as exc:
+            log.warning("decision cache unavailable (%r): scoring without it", exc)
+            hits = [None] * len(valid)
+        fresh: list[tuple[Inbound, Transaction]] = []
+        followers: list[tuple[Inbound, Transaction, int]] = []
+        first_in_batch: dict[str, int] = {}
+        for (msg, tx), hit in zip(valid, hits):
+            if hit is not None:
+                self._emit_cached(out, msg, tx, hit, clock)
+                stats["cached"] += 1
+                continue
+            keys = (tx.transaction_id, content_hash(tx))
+            leader = next((first_in_batch[k] for k in keys if k in first_in_batch), None)
+            if leader is not None:
+                followers.append((msg, tx, leader))
+                continue
+            for k in keys:
+                first_in_batch[k] = len(fresh)
+            fresh.append((msg, tx))
+        return fresh, followers
+
+    def _emit_cached(
+        self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock
+    ) -> None:
+        record = dict(hit)
+        record.update(
+            transaction_id=tx.transaction_id,
+            cached=True,
+            correlation_id=msg.correlation_id,
+            latency_ms=self._latency(msg, clock, self.wall_clock()),
+        )
+        out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
+
+    async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
+        assert self.model is not None
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._model_thread, self.model.predict, matrix)
+        try:
+            return await asyncio.wait_for(future, self.model_budget_s), None
+        except asyncio.TimeoutError:
+            log.warning("ensemble missed its %.0f ms budget; batch decided by rules", self.model_budget_s * 1000)
+            return None, f"model over its {self.model_budget_s * 1000:.0f} ms budget"
+        except Exception as exc:
+            log.exception("ensemble failed; batch decided by rules")
+            return None, f"model failed: {type(exc).__name__}"
+
+    def _latency(self, msg: Inbound, clock: _Clock, decided: float) -> dict[str, float]:
+        stages = dict(clock.ms)
+        queue = max(0.0, (clock_start_wall(clock, decided) - msg.timestamp) * 1000) if msg.timestamp else 0.0
+        stages["queue_wait"] = round(queue, 3)
+        stages["total"] = round(queue + clock.elapsed_ms(), 3)
+        return stages
+
+    def _reject(self, out: BatchOutput, msg: Inbound, why: Rejection, now: float) -> None:
+        if why.transaction_id is not None:
+            decision = Decision(
+                transaction_id=why.transaction_id,
+                user_id=why.user_id,
+                fraud_score=0.0,
+                action="reject",
+                explanation=[f"{why.code}: {why.reason}"],
+                model_version=None,
+                rules_version=self.rules.version,
+                correlation_id=msg.correlation_id,
+                decided_at=now,
+                error=why.to_dict(),
+            )
+            out.decisions.append((why.transaction_id.encode(), orjson.dumps(decision.to_dict())))
+        out.dead_letters.append(
+            (
+                why.transaction_id.encode() if why.transaction_id else None,
+                orjson.dumps(
+                    {
+                        "error": why.to_dict(),
+                        "transaction_id": why.transaction_id,
+                        "value_b64": base64.b64encode(msg.value).decode(),
+                        "headers": {k: base64.b64encode(v).decode() for k, v in msg.headers.items()},
+                        "partition": msg.partition,
+                        "offset": msg.offset,
+                        "rejected_at": now,
+                    }
+                ),
+            )
+        )
+
+    def _reject_all(self, batch: Sequence[Inbound], exc: Exception) -> BatchOutput:
+        out = BatchOutput()
+        now = self.wall_clock()
+        for msg in batch:
+            checked = validate(msg.value, now, self.limits)
+            txid = checked.transaction_id if not isinstance(checked, Rejection) else checked.transaction_id
+            user = checked.user_id
+            why = Rejection("internal_error", None, f"scoring failed: {type(exc).__name__}", txid, user)
+            self._reject(out, msg, why, now)
+        return out
+
+    def _feedback(self, tx: Transaction, decision: dict[str, Any], row: list[float] | None) -> bytes:
+        features = None if row is None else {n: (None if math.isnan(v) else v) for n, v in zip(FEATURE_NAMES, row)}
+        return orjson.dumps(
+            {
+                "decision": decision,
+                "transaction": {f: getattr(tx, f) for f in tx.__slots__},
+                "feature_set": FEATURE_SET_VERSION,
+                "features": features,
+            }
+        )
+
+    def _monitoring(self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None) -> bytes:
+        hist = np.histogram(scores, SCORE_BINS)[0].tolist() if scores is not None and len(scores) else []
+        return orjson.dumps(
+            {
+                "kind": "batch",
+                "at": self.wall_clock(),
+                "model_version": self.model.version if self.model else None,
+                "rules_version": self.rules.version,
+                "counts": dict(stats),
+                "stage_ms": clock.ms,
+                "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+            }
+        )
+
+
+def clock_start_wall(clock: _Clock, decided_wall: float) -> float:
+    """Wall-clock time at which the batch started (for queue wait)."""
+    return decided_wall - (time.perf_counter() - clock.start)
+
+
+def _fallback_score(action: str) -> float:
+    # Degraded decisions have no model score: report what the rules concluded.
+    return {"decline": 1.0, "review": 0.5}.get(action, 0.0)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

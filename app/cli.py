@@ -1,0 +1,211 @@
+"""``fraud-pipeline``: one command, a subcommand per job.
+
+    simulate      generate labelled transactions (Parquet)
+    materialize   write profile and merchant features to Redis
+    train         train, evaluate and register the ensemble
+    worker        run a scoring worker (a faust worker)
+    loadgen       produce live transactions at a fixed rate and measure decisions
+    topics        create the topics with their partition counts
+    stack         start/stop the local broker and Redis (up | down | status)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+DEFAULT_DATA = Path("data/transactions.parquet")
+
+
+def _sim_sidecar(path: Path) -> Path:
+    return path.with_suffix(".sim.json")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from app.simulator import SimulationConfig, simulate, write_parquet
+
+    end = datetime.fromisoformat(args.end) if args.end else None
+    cfg = SimulationConfig(
+        n_users=args.users, n_merchants=args.merchants, days=args.days, seed=args.seed, end=end,
+        scenarios=args.scenarios,
+    )
+    df = simulate(cfg, progress=not args.quiet)
+    write_parquet(df, args.out)
+    # The load generator rebuilds the same population from this.
+    meta = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in asdict(cfg).items()}
+    _sim_sidecar(args.out).write_text(json.dumps(meta, indent=2) + "\n")
+    counts = df["scenario"].value_counts().to_dict()
+    print(f"wrote {len(df):,} transactions ({df['label'].mean():.2%} fraud) to {args.out}")
+    print("  " + ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items())))
+    return 0
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    import pandas as pd
+    import redis
+
+    from app.materialize import materialize
+    from app.settings import get_settings
+
+    settings = get_settings()
+    client = redis.Redis.from_url(settings.redis_url)
+    df = pd.read_parquet(args.data)
+    as_of = datetime.fromisoformat(args.as_of).timestamp() if args.as_of else None
+    result = materialize(df, client, as_of=as_of, ttl_s=settings.profile_ttl_s, progress=not args.quiet)
+    print(
+        f"materialized {result.users:,} user profiles, {result.merchants:,} merchants and "
+        f"{result.velocity_events:,} velocity events as of "
+        f"{datetime.fromtimestamp(result.as_of).astimezone().isoformat()} into {settings.redis_url}"
+    )
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from app.settings import get_settings
+    from models.evaluation import HANDBOOK_XGBOOST
+    from models.training import TrainConfig, format_metrics, train
+
+    settings = get_settings()
+    df = pd.read_parquet(args.data)
+    cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days)
+    result = train(df, settings.registry_dir, cfg, progress=not args.quiet)
+    print(f"registered {result.version} in {result.folder}")
+    print(format_metrics(result.metrics))
+    lo, hi = HANDBOOK_XGBOOST["auc"], HANDBOOK_XGBOOST["ap"]
+    cp = HANDBOOK_XGBOOST["cp_at_100"]
+    print(
+        f"Handbook XGBoost (test week): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
+    )
+    print(f"report: {result.folder / 'report' / 'curves.png'}")
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
+    from app.topics import ensure_topics
+
+    topics = asyncio.run(ensure_topics(get_settings()))
+    for name, partitions in topics.items():
+        print(f"{name}: {partitions} partitions")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import faust
+
+    from app.faust_app import create_app
+    from app.settings import Settings
+    from app.topics import ensure_topics
+
+    overrides: dict[str, Any] = {}
+    if args.web_port:
+        overrides["web_port"] = args.web_port
+    settings = Settings(**overrides)
+    asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
+    app = create_app(settings)
+    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True)
+    worker.execute_from_commandline()
+    return 0
+
+
+def cmd_loadgen(args: argparse.Namespace) -> int:
+    from app.loadgen import LoadConfig, run_load
+
+    cfg = LoadConfig(
+        rate=args.rate, duration_s=args.duration, data=args.data, fraud_rate=args.fraud_rate,
+        seed=args.seed, report_every_s=args.every,
+    )
+    summary = asyncio.run(run_load(cfg))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["lost"] == 0 else 1
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from app import stack
+
+    return stack.main([args.action])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fraud-pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("simulate", help="generate labelled transactions")
+    p.add_argument("--users", type=int, default=5000)
+    p.add_argument("--merchants", type=int, default=10000)
+    p.add_argument("--days", type=int, default=60)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--end", help="UTC end (exclusive), ISO date; default today's midnight")
+    p.add_argument("--scenarios", choices=["all", "handbook"], default="all")
+    p.add_argument("--out", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("materialize", help="write profile features to Redis")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--as-of", help="ISO time; default the midnight after the data")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_materialize)
+
+    p = sub.add_parser("train", help="train, evaluate and register the ensemble")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--train-days", type=int, default=7)
+    p.add_argument("--delay-days", type=int, default=7)
+    p.add_argument("--test-days", type=int, default=7)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("worker", help="run a scoring worker")
+    p.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
+    p.add_argument("--loglevel", default="info")
+    p.add_argument("--broker-wait", type=float, default=60.0, help="seconds to wait for the broker")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("loadgen", help="produce live transactions and measure decisions")
+    p.add_argument("--rate", type=float, default=200.0, help="transactions per second (Poisson)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="simulated data (for its population)")
+    p.add_argument("--fraud-rate", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--every", type=float, default=1.0, help="seconds between progress lines")
+    p.add_argument("--json", help="write the summary here")
+    p.set_defaults(func=cmd_loadgen)
+
+    p = sub.add_parser("topics", help="create the topics")
+    p.set_defaults(func=cmd_topics)
+
+    p = sub.add_parser("stack", help="local broker and Redis")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.set_defaults(func=cmd_stack)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except Exception as exc:  # one clear line for the operator, not a traceback
+        from app.errors import FraudPipelineError
+
+        if isinstance(exc, (FraudPipelineError, FileNotFoundError)):
+            print(f"fraud-pipeline {args.command}: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

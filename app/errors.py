@@ -1,0 +1,77 @@
+"""One error tree for the whole service.
+
+    FraudPipelineError
+    ├── ConfigError              a setting or file is wrong; the operator fixes it
+    │   └── RulesError           a rules file failed validation (the old one stays)
+    ├── ModelError
+    │   ├── ModelNotFound        no such version in the registry
+    │   └── ModelIntegrityError  a checksum or the feature list does not match
+    ├── FeatureStoreError        the online store failed; decisions degrade
+    └── StackError               a local service did not start or become ready
+
+Validation problems are not exceptions: a bad transaction is an expected input,
+returned as a :class:`agents.validate.Rejection` value.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "FeatureStoreError",
+    "FraudPipelineError",
+    "ModelError",
+    "ModelIntegrityError",
+    "ModelNotFound",
+    "RulesError",
+    "StackError",
+]
+
+
+class FraudPipelineError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class ConfigError(FraudPipelineError):
+    """A setting or configuration file is invalid."""
+
+
+class RulesError(ConfigError):
+    """A rules file failed validation; the rules in force are kept."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"rules file {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class ModelError(FraudPipelineError):
+    """Loading or running a model failed."""
+
+
+class ModelNotFound(ModelError):
+    """The registry holds no such model version."""
+
+    def __init__(self, registry: object, version: str | None) -> None:
+        what = f"version {version!r}" if version else "any model version"
+        super().__init__(
+            f"{registry} holds {what}; train one with `fraud-pipeline train`"
+        )
+        self.registry = registry
+        self.version = version
+
+
+class ModelIntegrityError(ModelError):
+    """A model artifact does not match its manifest; it is refused."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"refusing model artifact {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class FeatureStoreError(FraudPipelineError):
+    """The online feature store could not be read or written."""
+
+
+class StackError(FraudPipelineError):
+    """A local service (broker, Redis) failed to start or become ready."""

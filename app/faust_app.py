@@ -1,0 +1,206 @@
+"""The Faust app: topics, the scoring agent, and the wiring that feeds it.
+
+The agent is deliberately thin: it takes a micro-batch of events, hands the
+raw messages to :class:`agents.score.Scorer`, produces what comes back, and
+awaits the decisions' deliveries together. Feedback and monitoring records are
+enqueued and not awaited, so they never hold up a decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import faust
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from agents.cache import RedisDecisionCache
+from agents.feature_store import RedisFeatureStore
+from agents.rules import RuleSet, load_rules
+from agents.score import BatchOutput, Inbound, Scorer
+from agents.validate import Limits
+from app.settings import Settings
+from app.topics import kafka_auth
+from models.ensemble import ScoringModel
+from models.registry import load_ensemble
+
+__all__ = ["Runtime", "create_app"]
+
+log = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 5
+
+
+def _install_fetch_wait_setting() -> None:
+    """Make the consumer's fetch max wait come from the app instead of 1,500 ms.
+
+    NOTE: faust 0.15.3 hard-codes ``fetch_max_wait_ms=1500`` when it builds the
+    worker's aiokafka consumer, and the local broker answers a waiting fetch
+    only when that wait expires, so it becomes the pipeline's latency. The
+    consumer is built before it starts, so setting the attribute it copies into
+    its fetcher at start is enough. Apps without ``fetch_max_wait_ms`` keep
+    faust's value.
+    """
+    thread_cls = faust_aiokafka.AIOKafkaConsumerThread
+    original = thread_cls._create_worker_consumer
+    if getattr(original, "_fraud_patched", False):
+        return
+
+    def _create_worker_consumer(self: Any, transport: Any) -> Any:
+        consumer = original(self, transport)
+        wait_ms = getattr(self.app, "fetch_max_wait_ms", None)
+        if wait_ms is not None:
+            consumer._fetch_max_wait_ms = int(wait_ms)
+        return consumer
+
+    _create_worker_consumer._fraud_patched = True  # type: ignore[attr-defined]
+    thread_cls._create_worker_consumer = _create_worker_consumer
+
+
+@dataclass
+class Runtime:
+    """What a worker loads once at start: settings, rules and the model."""
+
+    settings: Settings
+    rules: RuleSet
+    model: ScoringModel | None
+
+    @classmethod
+    def load(cls, settings: Settings) -> Runtime:
+        rules = load_rules(settings.rules_path)
+        model = load_ensemble(settings.registry_dir, settings.model_version)
+        log.info("serving model %s with rules %s", model.version, rules.version)
+        return cls(settings, rules, model)
+
+    def build_scorer(self) -> Scorer:
+        """Redis clients need the running loop: call this inside the agent."""
+        import redis.asyncio as aioredis
+
+        s = self.settings
+        client = aioredis.Redis.from_url(
+            s.redis_url,
+            max_connections=s.redis_pool_size,
+            socket_timeout=s.redis_timeout_s,
+            socket_connect_timeout=max(s.redis_timeout_s, 0.2),
+        )
+        return Scorer(
+            model=self.model,
+            rules=self.rules,
+            store=RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s),
+            cache=RedisDecisionCache(client, s.decision_cache_ttl_s),
+            limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
+            model_budget_s=s.model_budget_ms / 1000.0,
+        )
+
+
+def _credentials(settings: Settings) -> Any:
+    auth = kafka_auth(settings)
+    if "sasl_mechanism" in auth:
+        return faust.SASLCredentials(
+            username=auth["sasl_plain_username"],
+            password=auth["sasl_plain_password"],
+            mechanism=auth["sasl_mechanism"],
+            ssl_context=auth.get("ssl_context"),
+        )
+    if "ssl_context" in auth:
+        return faust.SSLCredentials(auth["ssl_context"])
+    return None
+
+
+def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
+    """Build the app. ``runtime`` defaults to loading rules and model from settings."""
+    _install_fetch_wait_setting()
+    runtime = runtime or Runtime.load(settings)
+    app = faust.App(
+        settings.app_id,
+        broker=f"kafka://{settings.kafka_bootstrap}",
+        broker_credentials=_credentials(settings),
+        store="memory://",
+        datadir=str(settings.data_dir),
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=settings.heartbeat_interval_s,
+        producer_linger=settings.producer_linger_s,
+        consumer_auto_offset_reset="earliest",
+        web_host=settings.web_host,
+        web_port=settings.web_port,
+        web_bind=settings.web_host,
+        topic_partitions=settings.partitions,
+        topic_allow_declare=False,
+    )
+    app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the patch above
+    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
+    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
+    dead_letters = app.topic(settings.topic_dlq, **raw)
+    feedback = app.topic(settings.topic_feedback, **raw)
+    monitoring = app.topic(settings.topic_monitoring, **raw)
+    background: set[asyncio.Task[Any]] = set()
+
+    async def emit(scorer: Scorer, output: BatchOutput) -> None:
+        # Enqueue everything first, then await the decisions' deliveries together.
+        pending = [await decisions.send(key=k, value=v) for k, v in output.decisions]
+        pending += [await dead_letters.send(key=k, value=v) for k, v in output.dead_letters]
+        for k, v in output.feedback:
+            await feedback.send(key=k, value=v)
+        if output.monitoring is not None:
+            await monitoring.send(value=output.monitoring)
+        await asyncio.gather(*pending)
+        if output.to_cache:
+            task = asyncio.create_task(scorer.cache.put_many(output.to_cache))
+            background.add(task)
+            task.add_done_callback(_log_cache_failure(background))
+
+    @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
+    async def score(stream: faust.StreamT) -> None:
+        scorer = runtime.build_scorer()
+        size, within = settings.batch_size, settings.batch_window_s
+        async for events in stream.take_events(size, within=within):
+            batch = [_inbound(event) for event in events]
+            output = await scorer.score_batch(batch)
+            await _deliver(emit, scorer, output)
+
+    app.runtime = runtime
+    app.scoring_agent = score
+    return app
+
+
+def _inbound(event: Any) -> Inbound:
+    message = event.message
+    headers = message.headers or {}
+    if not isinstance(headers, dict):
+        headers = {k: v for k, v in headers}
+    return Inbound(
+        value=message.value if isinstance(message.value, bytes) else bytes(message.value or b""),
+        headers={str(k): (v if isinstance(v, bytes) else str(v).encode()) for k, v in headers.items()},
+        timestamp=message.timestamp,
+        partition=message.partition,
+        offset=message.offset,
+    )
+
+
+async def _deliver(emit: Any, scorer: Scorer, output: BatchOutput) -> None:
+    """Produce a batch's outcomes; if the broker will not take them, stop the
+    process *without* committing, so the batch is redelivered after restart."""
+    delay = 0.2
+    for attempt in range(1, SEND_ATTEMPTS + 1):
+        try:
+            await emit(scorer, output)
+            return
+        except Exception as exc:
+            log.warning("producing decisions failed (attempt %d/%d): %r", attempt, SEND_ATTEMPTS, exc)
+            await asyncio.sleep(delay)
+            delay *= 2
+    log.critical("cannot deliver decisions; exiting without commit so the batch is redelivered")
+    os._exit(75)
+
+
+def _log_cache_failure(background: set[asyncio.Task[Any]]) -> Any:
+    def done(task: asyncio.Task[Any]) -> None:
+        background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("storing decisions in the cache failed: %r", task.exception())
+
+    return done

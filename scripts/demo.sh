@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# make demo: the whole job on one machine, real broker and Redis on loopback.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE=${1:-300}
+DURATION=${2:-20}
+BIN=.venv/bin
+DATA=data/transactions.parquet
+WORKER_PID=""
+
+cleanup() {
+  if [[ -n "$WORKER_PID" ]] && kill -0 "$WORKER_PID" 2>/dev/null; then
+    kill -TERM "$WORKER_PID" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$WORKER_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$WORKER_PID" 2>/dev/null || true
+  fi
+  $BIN/python -m app.stack down
+}
+trap cleanup EXIT
+
+echo "== 1/5 local stack (Tansu broker + redis-server)"
+$BIN/python -m app.stack up
+# shellcheck disable=SC1091
+source .stack/env
+
+echo "== 2/5 data and model"
+[[ -f $DATA ]] || $BIN/fraud-pipeline simulate --users 2000 --merchants 4000 --days 45 --out $DATA
+if [[ ! -f models/registry/CURRENT ]]; then
+  $BIN/fraud-pipeline train --data $DATA
+else
+  echo "model $(cat models/registry/CURRENT) already registered (delete models/registry/CURRENT to retrain)"
+fi
+
+echo "== 3/5 materialize features into Redis"
+$BIN/fraud-pipeline materialize --data $DATA
+
+echo "== 4/5 scoring worker"
+$BIN/fraud-pipeline worker > .stack/worker.log 2>&1 &
+WORKER_PID=$!
+for _ in $(seq 1 120); do
+  grep -q "Ready" .stack/worker.log 2>/dev/null && break
+  kill -0 "$WORKER_PID" 2>/dev/null || { echo "worker exited:"; tail -30 .stack/worker.log; exit 1; }
+  sleep 0.5
+done
+grep -q "Ready" .stack/worker.log || { echo "worker not ready:"; tail -30 .stack/worker.log; exit 1; }
+echo "worker $WORKER_PID ready (log: .stack/worker.log)"
+
+echo "== 5/5 load: ${RATE}/s for ${DURATION}s"
+$BIN/fraud-pipeline loadgen --rate "$RATE" --duration "$DURATION" --data $DATA --json .stack/demo-summary.json
+echo "summary: .stack/demo-summary.json"
