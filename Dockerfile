@@ -1,5 +1,5 @@
 # The scoring worker. Built by docker-compose.yml (`docker compose up`), which
-# also runs Kafka and Redis; models are mounted, not baked in (models/registry).
+# also runs Kafka and Redis and mounts models/registry over /srv/models/registry.
 FROM python:3.11.10-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -46,6 +46,20 @@ __all__ = [
 VELOCITY_RETENTION_S = 2 * DAY_S
 
 
+#: Add the transaction to the user's velocity set, prune events past retention,
+#: refresh the TTL and return the events of the 24 h window ending at the
+#: transaction, with their times. One command instead of four per transaction:
+#: on 2 cores the client-side cost of each pipelined command is what counts.
+#: The features themselves are computed in Python by velocity_from_events, the
+#: same function training uses.
+VELOCITY_SCRIPT = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], ARGV[2], 'WITHSCORES')
+"""
+
+
 # NOTE: the braces are Redis Cluster hash tags: a user's keys share one slot, so
 # a batch's pipeline needs no cross-slot redirects for one user's reads/writes.
 def profile_key(user_id: str) -> str:
@@ -141,8 +155,23 @@ class RedisFeatureStore:
         self._client = client
         self._profiles = TTLCache(local_cache_ttl_s)
         self._merchants = TTLCache(local_cache_ttl_s)
+        self._velocity_sha: str | None = None
 
     async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        try:
+            return await self._enrich(txs)
+        except Exception as exc:
+            if "NOSCRIPT" in str(exc):  # Redis restarted and lost the script: load it, retry once
+                self._velocity_sha = None
+                try:
+                    return await self._enrich(txs)
+                except Exception as again:
+                    exc = again
+            raise FeatureStoreError(f"Redis pipeline failed: {exc!r}") from exc
+
+    async def _enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        if self._velocity_sha is None:
+            self._velocity_sha = await self._client.script_load(VELOCITY_SCRIPT)
         now = time.monotonic()
         pipe = self._client.pipeline(transaction=False)
         plan: list[tuple[bool, bool]] = []
@@ -153,16 +182,14 @@ class RedisFeatureStore:
                 pipe.hgetall(profile_key(tx.user_id))
             if need_merchant:
                 pipe.hgetall(merchant_key(tx.merchant_id))
-            key = velocity_key(tx.user_id)
-            pipe.zadd(key, {velocity_member(tx): tx.timestamp})
-            pipe.zremrangebyscore(key, "-inf", f"({tx.timestamp - VELOCITY_RETENTION_S}")
-            pipe.zrangebyscore(key, f"({tx.timestamp - DAY_S}", tx.timestamp, withscores=True)
-            pipe.expire(key, int(VELOCITY_RETENTION_S))
+            # One command per transaction for the velocity state (see VELOCITY_SCRIPT).
+            pipe.evalsha(
+                self._velocity_sha, 1, velocity_key(tx.user_id),
+                velocity_member(tx), repr(tx.timestamp), repr(tx.timestamp - VELOCITY_RETENTION_S),
+                repr(tx.timestamp - DAY_S), int(VELOCITY_RETENTION_S),
+            )
             plan.append((need_profile, need_merchant))
-        try:
-            replies = iter(await pipe.execute())
-        except Exception as exc:  # connection refused, timeout, OOM...
-            raise FeatureStoreError(f"Redis pipeline failed: {exc!r}") from exc
+        replies = iter(await pipe.execute())
         out: list[Enrichment] = []
         for tx, (need_profile, need_merchant) in zip(txs, plan):
             if need_profile:
@@ -173,9 +200,9 @@ class RedisFeatureStore:
             if need_merchant:
                 raw = next(replies)
                 self._merchants.put(tx.merchant_id, MerchantRisk.from_mapping(raw) if raw else None, now)
-            _added, _pruned, events, _expire = next(replies), next(replies), next(replies), next(replies)
-            times = np.fromiter((score for _, score in events), dtype=np.float64, count=len(events))
-            amounts = np.fromiter((_member_amount(m) for m, _ in events), dtype=np.float64, count=len(events))
+            flat = next(replies)  # member, score, member, score, ...
+            times = np.array(flat[1::2], dtype=np.float64)
+            amounts = np.array([_member_amount(m) for m in flat[0::2]], dtype=np.float64)
             out.append(
                 Enrichment(
                     profile=self._profiles.get(tx.user_id, now)[1],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,7 @@ def _credentials(settings: Settings) -> Any:
 def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     """Build the app. ``runtime`` defaults to loading rules and model from settings."""
     _install_fetch_wait_setting()
+    sys.setswitchinterval(settings.gil_switch_interval_s)
     runtime = runtime or Runtime.load(settings)
     app = faust.App(
         settings.app_id,

@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     web_port: int = 6066
     """Each worker on one machine needs its own port."""
 
+    gil_switch_interval_s: float = 0.001
+    """``sys.setswitchinterval`` for the worker. NOTE: faust runs the Kafka
+    consumer in its own thread and the ensemble runs in another; with Python's
+    default 5 ms interval each hand-off of the GIL between them can cost up to
+    5 ms of a batch's latency."""
+
     data_dir: Path = Path(".stack/faust")
     """Faust's local table state."""
 

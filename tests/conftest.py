@@ -11,11 +11,16 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from app import stack
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @pytest.fixture(scope="session")
@@ -75,3 +80,29 @@ def unique_name() -> Callable[[str], str]:
         return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
     return make
+
+
+# --- data and a trained model, shared by the session --------------------------
+
+#: A small simulation: big enough for the 7/7/7-day protocol and 30-day profiles.
+TINY_SIM = {"n_users": 300, "n_merchants": 600, "days": 40, "seed": 11}
+
+
+@pytest.fixture(scope="session")
+def sim_frame() -> "pd.DataFrame":
+    from datetime import UTC, datetime
+
+    from app.simulator import SimulationConfig, simulate
+
+    end = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return simulate(SimulationConfig(**TINY_SIM, end=end), progress=False)
+
+
+@pytest.fixture(scope="session")
+def trained_registry(sim_frame: "pd.DataFrame", tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A registry holding one version trained on :func:`sim_frame` (fewer rounds)."""
+    from models.training import TrainConfig, train
+
+    registry = tmp_path_factory.mktemp("registry")
+    train(sim_frame, registry, TrainConfig(rounds_scale=0.2), progress=False)
+    return registry

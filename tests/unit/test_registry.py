@@ -1,0 +1,77 @@
+"""The registry: checksums, feature list, reproducible scores."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.features import FEATURE_NAMES
+from app.errors import ModelIntegrityError, ModelNotFound
+from models.registry import current_version, load_ensemble, read_manifest
+
+
+def copy_registry(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst / "registry")
+    return dst / "registry"
+
+
+def test_manifest_describes_three_members_and_metrics(trained_registry: Path) -> None:
+    manifest = read_manifest(trained_registry)
+    assert [m["name"] for m in manifest["members"]] == ["broad", "shallow", "behaviour"]
+    assert manifest["feature_names"] == list(FEATURE_NAMES)
+    assert not any(n.startswith("merchant_") for n in manifest["members"][2]["features"])
+    assert {"auc", "ap", "cp_at_100"} <= set(manifest["metrics"]["ensemble"])
+    assert set(manifest["sha256"]) >= {m["file"] for m in manifest["members"]}
+    assert (trained_registry / manifest["version"] / "report" / "curves.png").stat().st_size > 10_000
+
+
+def test_scores_are_reproducible_from_the_registry(trained_registry: Path) -> None:
+    rng = np.random.default_rng(3)
+    batch = rng.random((32, len(FEATURE_NAMES)), dtype=np.float32) * 100
+    first = load_ensemble(trained_registry).predict(batch)
+    again = load_ensemble(trained_registry, current_version(trained_registry), warm_up=False).predict(batch)
+    np.testing.assert_array_equal(first.scores, again.scores)
+    assert ((first.scores >= 0) & (first.scores <= 1)).all()
+    assert all(len(r) <= 3 and all(c > 0 for _, c in r) for r in first.reasons)
+
+
+def test_a_tampered_model_file_is_refused(trained_registry: Path, tmp_path: Path) -> None:
+    registry = copy_registry(trained_registry, tmp_path)
+    version = current_version(registry)
+    model_file = registry / version / "member_shallow.ubj"
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(ModelIntegrityError, match="sha256"):
+        load_ensemble(registry)
+
+
+def test_a_manifest_naming_unknown_features_is_refused(trained_registry: Path, tmp_path: Path) -> None:
+    registry = copy_registry(trained_registry, tmp_path)
+    path = registry / current_version(registry) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["members"][0]["features"][0] = "shoe_size"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ModelIntegrityError, match="shoe_size"):
+        load_ensemble(registry)
+
+
+def test_an_empty_registry_says_how_to_fix_it(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound, match="fraud-pipeline train"):
+        load_ensemble(tmp_path)
+
+
+def test_training_without_optional_columns_uses_the_features_it_can_compute(
+    sim_frame: "object", tmp_path: Path
+) -> None:
+    from models.training import TrainConfig, train
+
+    bare = sim_frame.drop(columns=["device_id", "lat", "lon", "merchant_category", "currency"])  # type: ignore[attr-defined]
+    result = train(bare, tmp_path, TrainConfig(rounds_scale=0.05), progress=False)
+    features = read_manifest(tmp_path, result.version)["members"][0]["features"]
+    assert "new_device" not in features and "distance_from_home_km" not in features
+    assert load_ensemble(tmp_path).predict(np.zeros((2, len(FEATURE_NAMES)), np.float32)).scores.shape == (2,)

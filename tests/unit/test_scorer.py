@@ -1,0 +1,640 @@
+"""The Scorer, end to end per batch, with in-memory fakes for Redis.
+
+The real ensemble (trained on the session's tiny simulation) scores where the
+test only needs *a* model; small fake models stand in where the test needs
+control over the score or the time a prediction takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pandas as pd
+import pytest
+
+from agents.cache import InMemoryDecisionCache
+from agents.feature_store import Enrichment, InMemoryFeatureStore
+from agents.features import (
+    DAY_S,
+    FEATURE_NAMES,
+    FEATURE_SET_VERSION,
+    build_merchant_risk,
+    build_user_profiles,
+    prepare_history,
+)
+from agents.rules import parse_rules
+from agents.score import BatchOutput, Inbound, Scorer
+from app.contract import Transaction
+from models.ensemble import Prediction
+
+BLOCKED_DEVICE = "d-blocked-unit"
+RULES = parse_rules(
+    {
+        "version": "rules-unit-1",
+        "thresholds": {"review": 0.5, "decline": 0.9},
+        "force_review_amount_usd": 10000,
+        "degraded_review_amount_usd": 1000,
+        "allow": {"user_id": [], "device_id": [], "merchant_id": []},
+        "block": {"user_id": [], "device_id": [BLOCKED_DEVICE], "merchant_id": []},
+    }
+)
+
+DECISION_FIELDS = {
+    "transaction_id", "user_id", "fraud_score", "action", "explanation", "model_version",
+    "rules_version", "cached", "degraded", "feature_age_s", "latency_ms", "correlation_id",
+    "decided_at", "error",
+}  # fmt: skip
+LATENCY_KEYS = {"queue_wait", "validate", "cache", "features", "model", "rules", "total"}
+
+
+# --- fixtures and helpers -----------------------------------------------------
+
+
+class World:
+    """Profiles, merchants and a population drawn from the simulation, plus a fixed clock."""
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        history = prepare_history(frame)
+        self.as_of = math.ceil(history["ts"].max() / DAY_S) * DAY_S
+        self.now = self.as_of + 2 * 3600.0  # 02:00 UTC on the day after the data
+        self.profiles = build_user_profiles(history, self.as_of)
+        self.merchants = build_merchant_risk(history, self.as_of)
+        last = frame.sort_values("timestamp").drop_duplicates("user_id", keep="last")
+        self.population = [
+            {
+                "user_id": r.user_id,
+                "merchant_id": r.merchant_id,
+                "merchant_category": r.merchant_category,
+                "device_id": r.device_id,
+                "lat": float(r.lat),
+                "lon": float(r.lon),
+                "country": r.country,
+                "currency": r.currency,
+            }
+            for r in last.itertuples()
+            if r.user_id in self.profiles
+        ]
+        self._seq = 0
+
+    def tx(self, i: int = 0, **over: Any) -> dict[str, Any]:
+        """A valid transaction document for population member ``i``."""
+        self._seq += 1
+        person = self.population[i % len(self.population)]
+        doc: dict[str, Any] = {
+            "transaction_id": f"t-unit-{self._seq:06d}",
+            **person,
+            "amount": 42.5,
+            "timestamp": _iso(self.now - 5.0 - self._seq * 0.001),
+        }
+        doc.update(over)
+        return {k: v for k, v in doc.items() if v is not None}
+
+    def store(self) -> InMemoryFeatureStore:
+        return InMemoryFeatureStore(self.profiles, self.merchants)
+
+
+class RecordingStore(InMemoryFeatureStore):
+    """Remembers every transaction id it was asked to enrich, in order."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.enriched: list[str] = []
+
+    async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        self.enriched.extend(tx.transaction_id for tx in txs)
+        return await super().enrich(txs)
+
+
+class ConstantModel:
+    """Every row gets ``score``; optionally sleeps first (a model over its budget)."""
+
+    def __init__(self, score: float = 0.1, sleep_s: float = 0.0, version: str = "const-1") -> None:
+        self.score = score
+        self.sleep_s = sleep_s
+        self.version = version
+        self.calls = 0
+
+    def predict(self, matrix: np.ndarray) -> Prediction:
+        self.calls += 1
+        assert matrix.shape[1] == len(FEATURE_NAMES)
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        n = matrix.shape[0]
+        return Prediction(np.full(n, self.score), [[("amount_usd", 0.5)] for _ in range(n)])
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@pytest.fixture(scope="module")
+def world(sim_frame: pd.DataFrame) -> World:
+    return World(sim_frame)
+
+
+@pytest.fixture(scope="module")
+def ensemble(trained_registry: Path) -> Any:
+    from models.registry import load_ensemble
+
+    return load_ensemble(trained_registry)
+
+
+def make_scorer(world: World, model: Any, store: InMemoryFeatureStore | None = None, **kw: Any) -> Scorer:
+    return Scorer(
+        model=model,
+        rules=RULES,
+        store=store if store is not None else world.store(),
+        cache=InMemoryDecisionCache(),
+        wall_clock=lambda: world.now,
+        **kw,
+    )
+
+
+def inbound(doc: dict[str, Any] | bytes, world: World, correlation: str | None = None, offset: int = 0) -> Inbound:
+    value = doc if isinstance(doc, bytes) else orjson.dumps(doc)
+    headers = {"correlation-id": correlation.encode()} if correlation else {}
+    return Inbound(value=value, headers=headers, timestamp=world.now - 0.004, partition=0, offset=offset)
+
+
+def score(scorer: Scorer, batch: Sequence[Inbound]) -> BatchOutput:
+    """One batch as the agent handles it: score, then store the new decisions in the cache."""
+
+    async def go() -> BatchOutput:
+        out = await scorer.score_batch(batch)
+        await scorer.cache.put_many(out.to_cache)
+        return out
+
+    return asyncio.run(go())
+
+
+def decisions(out: BatchOutput) -> list[dict[str, Any]]:
+    got = []
+    for key, value in out.decisions:
+        record = orjson.loads(value)
+        assert key == record["transaction_id"].encode(), "decisions are keyed by transaction id"
+        got.append(record)
+    return got
+
+
+def dead_letters(out: BatchOutput) -> list[tuple[bytes | None, dict[str, Any]]]:
+    return [(key, orjson.loads(value)) for key, value in out.dead_letters]
+
+
+def check_full_decision(d: dict[str, Any]) -> None:
+    """Every contract field, with its type and range."""
+    assert set(d) >= DECISION_FIELDS
+    assert isinstance(d["transaction_id"], str) and d["transaction_id"]
+    assert isinstance(d["user_id"], str) and d["user_id"]
+    assert isinstance(d["fraud_score"], float) and 0.0 <= d["fraud_score"] <= 1.0
+    assert d["action"] in ("approve", "review", "decline")
+    assert isinstance(d["explanation"], list) and all(isinstance(w, str) and w for w in d["explanation"])
+    assert isinstance(d["model_version"], str) and d["model_version"]
+    assert d["rules_version"] == RULES.version
+    assert d["cached"] is False
+    assert d["degraded"] is False
+    assert isinstance(d["feature_age_s"], float) and d["feature_age_s"] >= 0
+    assert set(d["latency_ms"]) == LATENCY_KEYS
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in d["latency_ms"].values())
+    assert d["latency_ms"]["total"] >= d["latency_ms"]["queue_wait"]
+    assert d["error"] is None
+
+
+# --- the happy path ------------------------------------------------------------
+
+
+def test_valid_transaction_gets_one_full_decision(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    doc = world.tx(0)
+    out = score(scorer, [inbound(doc, world, correlation="corr-abc-123")])
+
+    [d] = decisions(out)
+    check_full_decision(d)
+    assert d["transaction_id"] == doc["transaction_id"]
+    assert d["user_id"] == doc["user_id"]
+    assert d["model_version"] == ensemble.version
+    assert d["correlation_id"] == "corr-abc-123"
+    assert d["decided_at"] == world.now
+    # The profile is as of midnight; the transaction is ~2 h later.
+    assert d["feature_age_s"] == pytest.approx(2 * 3600.0 - 5.0, abs=1.0)
+    assert out.dead_letters == []
+
+    # Feedback carries the decision, the transaction and the features it was scored on.
+    [(key, raw)] = out.feedback
+    feedback = orjson.loads(raw)
+    assert key == doc["transaction_id"].encode()
+    assert feedback["decision"]["fraud_score"] == d["fraud_score"]
+    assert feedback["transaction"]["transaction_id"] == doc["transaction_id"]
+    assert feedback["feature_set"] == FEATURE_SET_VERSION
+    assert list(feedback["features"]) == list(FEATURE_NAMES)
+    assert feedback["features"]["amount_usd"] > 0
+    assert feedback["features"]["velocity_count_24h"] >= 1  # the transaction itself
+
+    # The monitoring record counts the batch.
+    assert out.monitoring is not None
+    monitoring = orjson.loads(out.monitoring)
+    assert monitoring["counts"]["batch"] == 1
+    assert monitoring["counts"][d["action"]] == 1
+    assert monitoring["model_version"] == ensemble.version
+    assert monitoring["rules_version"] == RULES.version
+    assert sum(monitoring["score_histogram"]["counts"]) == 1
+    assert {"validate", "cache", "features", "model", "rules"} <= set(monitoring["stage_ms"])
+
+
+def test_a_batch_of_valid_transactions_is_scored_in_order(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    docs = [world.tx(i) for i in range(20)]
+    out = score(scorer, [inbound(doc, world, correlation=f"c-{i}") for i, doc in enumerate(docs)])
+    got = decisions(out)
+    assert [d["transaction_id"] for d in got] == [doc["transaction_id"] for doc in docs]
+    assert [d["correlation_id"] for d in got] == [f"c-{i}" for i in range(20)]
+    for d in got:
+        check_full_decision(d)
+    assert len(out.feedback) == 20 and len(out.to_cache) == 20
+
+
+# --- invalid messages ------------------------------------------------------------
+
+
+def test_invalid_json_without_an_id_goes_to_the_dead_letter_topic_only(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    raw = b'{"transaction_id": "t-x", "amount": 12.5,'  # truncated
+    out = score(scorer, [inbound(raw, world, correlation="corr-bad", offset=17)])
+
+    assert out.decisions == []
+    [(key, dlq)] = dead_letters(out)
+    assert key is None
+    assert dlq["error"]["code"] == "bad_json"
+    assert dlq["error"]["field"] is None
+    assert isinstance(dlq["error"]["reason"], str) and dlq["error"]["reason"]
+    assert dlq["transaction_id"] is None
+    assert base64.b64decode(dlq["value_b64"]) == raw
+    assert base64.b64decode(dlq["headers"]["correlation-id"]) == b"corr-bad"
+    assert (dlq["partition"], dlq["offset"]) == (0, 17)
+    assert orjson.loads(out.monitoring or b"{}")["counts"]["rejected"] == 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xfe not utf-8",
+        b"[1, 2, 3]",
+        b'"just a string"',
+        b"",
+        b"[" * 5000 + b"]" * 5000,  # nesting deeper than the parser takes
+        b'{"amount": NaN}',
+    ],
+    ids=["not-utf8", "array", "string", "empty", "deep", "nan"],
+)
+def test_unreadable_messages_never_get_a_decision(world: World, ensemble: Any, raw: bytes) -> None:
+    scorer = make_scorer(world, ensemble)
+    out = score(scorer, [inbound(raw, world)])
+    assert out.decisions == []
+    [(key, dlq)] = dead_letters(out)
+    assert key is None
+    assert dlq["error"]["code"] in ("bad_json", "not_an_object")
+    assert base64.b64decode(dlq["value_b64"]) == raw
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "field"),
+    [
+        ({"amount": -5}, "out_of_range", "amount"),
+        ({"amount": "12.50"}, "wrong_type", "amount"),
+        ({"merchant_id": None}, "missing_field", "merchant_id"),
+        ({"currency": "XXX"}, "unknown_currency", "currency"),
+        ({"timestamp": "yesterday"}, "bad_timestamp", "timestamp"),
+        ({"timestamp": "2020-01-01T00:00:00Z"}, "timestamp_out_of_window", "timestamp"),
+        ({"lat": None}, "inconsistent", "lat"),
+    ],
+)
+def test_invalid_transaction_with_a_readable_id_gets_a_reject_and_a_dead_letter(
+    world: World, ensemble: Any, change: dict[str, Any], code: str, field: str
+) -> None:
+    scorer = make_scorer(world, ensemble)
+    doc = world.tx(1)
+    doc.update(change)
+    doc = {k: v for k, v in doc.items() if v is not None}
+    out = score(scorer, [inbound(doc, world, correlation="corr-rej")])
+
+    [d] = decisions(out)
+    assert d["transaction_id"] == doc["transaction_id"]
+    assert d["user_id"] == doc["user_id"]
+    assert d["action"] == "reject"
+    assert d["fraud_score"] == 0.0
+    assert d["error"]["code"] == code and d["error"]["field"] == field
+    assert d["explanation"] and d["explanation"][0].startswith(code)
+    assert d["correlation_id"] == "corr-rej"
+    assert d["rules_version"] == RULES.version
+    [(key, dlq)] = dead_letters(out)
+    assert key == doc["transaction_id"].encode()
+    assert dlq["error"] == {"code": code, "field": field, "reason": d["error"]["reason"]}
+    assert orjson.loads(base64.b64decode(dlq["value_b64"])) == doc
+    assert out.feedback == [] and out.to_cache == []
+
+
+# --- resends ---------------------------------------------------------------------
+
+COMPARED = ("transaction_id", "user_id", "fraud_score", "action", "explanation", "model_version",
+            "rules_version", "degraded", "feature_age_s", "decided_at")  # fmt: skip
+
+
+def test_a_resend_in_a_later_batch_is_answered_from_the_cache(world: World, ensemble: Any) -> None:
+    store = RecordingStore(world.profiles, world.merchants)
+    scorer = make_scorer(world, ensemble, store=store)
+    doc = world.tx(2)
+    [first] = decisions(score(scorer, [inbound(doc, world, correlation="first")]))
+    others = [world.tx(i) for i in range(3, 6)]
+    out = score(scorer, [inbound(o, world) for o in others] + [inbound(doc, world, correlation="again")])
+
+    got = decisions(out)
+    assert len(got) == 4
+    [again] = [d for d in got if d["transaction_id"] == doc["transaction_id"]]
+    assert again["cached"] is True
+    assert {k: again[k] for k in COMPARED} == {k: first[k] for k in COMPARED}
+    assert again["correlation_id"] == "again"
+    assert {"queue_wait", "total"} <= set(again["latency_ms"])
+    # The resend never reached the feature store: velocity counted once.
+    assert store.enriched.count(doc["transaction_id"]) == 1
+    assert list(store.events[doc["user_id"]]).count(doc["transaction_id"]) == 1
+    # ...and is not scored, cached or fed back again.
+    assert all(tx.transaction_id != doc["transaction_id"] for tx, _ in out.to_cache)
+    assert [k for k, _ in out.feedback] == [o["transaction_id"].encode() for o in others]
+    assert orjson.loads(out.monitoring or b"{}")["counts"]["cached"] == 1
+
+
+def test_the_same_transaction_twice_in_one_batch_gets_two_identical_decisions(
+    world: World, ensemble: Any
+) -> None:
+    store = RecordingStore(world.profiles, world.merchants)
+    scorer = make_scorer(world, ensemble, store=store)
+    doc = world.tx(6)
+    out = score(scorer, [inbound(doc, world, correlation="a"), inbound(doc, world, correlation="b")])
+
+    first, second = decisions(out)
+    check_full_decision(first)
+    assert first["correlation_id"] == "a"
+    assert second["cached"] is True and second["correlation_id"] == "b"
+    assert {k: second[k] for k in COMPARED} == {k: first[k] for k in COMPARED}
+    assert store.enriched == [doc["transaction_id"]]
+    assert len(out.feedback) == 1 and len(out.to_cache) == 1
+
+
+def test_a_resend_under_a_new_id_is_recognised_by_its_content(world: World, ensemble: Any) -> None:
+    store = RecordingStore(world.profiles, world.merchants)
+    scorer = make_scorer(world, ensemble, store=store)
+    doc = world.tx(7)
+    [first] = decisions(score(scorer, [inbound(doc, world)]))
+    retry = dict(doc, transaction_id=doc["transaction_id"] + "-retry")
+    [again] = decisions(score(scorer, [inbound(retry, world)]))
+
+    assert again["transaction_id"] == retry["transaction_id"]
+    assert again["cached"] is True
+    assert (again["fraud_score"], again["action"], again["explanation"]) == (
+        first["fraud_score"], first["action"], first["explanation"],
+    )  # fmt: skip
+    assert store.enriched == [doc["transaction_id"]]
+
+
+def test_a_content_resend_in_the_same_batch_follows_the_first(world: World, ensemble: Any) -> None:
+    store = RecordingStore(world.profiles, world.merchants)
+    scorer = make_scorer(world, ensemble, store=store)
+    doc = world.tx(8)
+    retry = dict(doc, transaction_id=doc["transaction_id"] + "-retry")
+    first, second = decisions(score(scorer, [inbound(doc, world), inbound(retry, world)]))
+    assert first["cached"] is False and second["cached"] is True
+    assert second["transaction_id"] == retry["transaction_id"]
+    assert second["fraud_score"] == first["fraud_score"] and second["action"] == first["action"]
+    assert store.enriched == [doc["transaction_id"]]
+
+
+def test_same_amount_at_another_time_is_not_a_resend(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    doc = world.tx(9)
+    later = dict(doc, transaction_id=doc["transaction_id"] + "-b", timestamp=_iso(world.now - 1.0))
+    first, second = decisions(score(scorer, [inbound(doc, world), inbound(later, world)]))
+    assert first["cached"] is False and second["cached"] is False
+
+
+# --- degraded paths ----------------------------------------------------------------
+
+
+def test_feature_store_failure_degrades_every_decision_to_rules(world: World, ensemble: Any) -> None:
+    store = world.store()
+    store.fail = ConnectionError("redis down")
+    scorer = make_scorer(world, ensemble, store=store)
+    small = [world.tx(i, amount=20.0) for i in range(10, 15)]
+    large = world.tx(15, amount=5000.0, currency="USD")  # over the degraded review amount
+    huge = world.tx(16, amount=15000.0, currency="USD")
+    blocked = world.tx(17, device_id=BLOCKED_DEVICE)
+    docs = [*small, large, huge, blocked]
+    out = score(scorer, [inbound(doc, world, correlation=f"c{i}") for i, doc in enumerate(docs)])
+
+    got = decisions(out)
+    assert [d["transaction_id"] for d in got] == [doc["transaction_id"] for doc in docs]  # none lost
+    assert out.dead_letters == []
+    for i, d in enumerate(got):
+        assert d["degraded"] is True
+        assert d["cached"] is False
+        assert d["model_version"] is None
+        assert d["rules_version"] == RULES.version
+        assert d["feature_age_s"] is None
+        assert d["correlation_id"] == f"c{i}"
+        assert "degraded: feature store unavailable" in d["explanation"]
+        assert 0.0 <= d["fraud_score"] <= 1.0
+        assert set(d["latency_ms"]) == LATENCY_KEYS
+    assert [d["action"] for d in got] == ["approve"] * 5 + ["review", "review", "decline"]
+    assert any("forced review" in w for w in got[6]["explanation"])
+    assert any(BLOCKED_DEVICE in w for w in got[7]["explanation"])
+    # Feedback still goes out, without features.
+    assert len(out.feedback) == len(docs)
+    assert all(orjson.loads(v)["features"] is None for _, v in out.feedback)
+    counts = orjson.loads(out.monitoring or b"{}")["counts"]
+    assert counts["degraded"] == len(docs) and counts["batch"] == len(docs)
+
+
+def test_feature_store_recovery_brings_full_decisions_back(world: World, ensemble: Any) -> None:
+    store = world.store()
+    scorer = make_scorer(world, ensemble, store=store)
+    store.fail = ConnectionError("redis down")
+    [down] = decisions(score(scorer, [inbound(world.tx(18), world)]))
+    store.fail = None
+    [back] = decisions(score(scorer, [inbound(world.tx(19), world)]))
+    assert down["degraded"] is True
+    check_full_decision(back)
+
+
+def test_a_model_over_its_budget_degrades_within_the_budget(world: World) -> None:
+    slow = ConstantModel(0.2, sleep_s=1.0)
+    scorer = make_scorer(world, slow, model_budget_s=0.05)
+    docs = [world.tx(i, amount=30.0) for i in range(20, 24)]
+    started = time.perf_counter()
+    out = asyncio.run(scorer.score_batch([inbound(doc, world) for doc in docs]))
+    elapsed = time.perf_counter() - started
+
+    assert elapsed < 0.5, f"a batch waited {elapsed:.2f} s for a model with a 50 ms budget"
+    got = decisions(out)
+    assert len(got) == 4
+    for d in got:
+        assert d["degraded"] is True and d["model_version"] is None
+        assert d["action"] == "approve"
+        assert any("budget" in w for w in d["explanation"])
+        assert d["latency_ms"]["model"] < 500
+        # Features were read: the age of the profile is still known.
+        assert d["feature_age_s"] is not None
+    scorer._model_thread.shutdown(wait=True)
+
+
+def test_a_failing_model_degrades_to_rules(world: World) -> None:
+    class Broken(ConstantModel):
+        def predict(self, matrix: np.ndarray) -> Prediction:
+            raise ValueError("corrupt booster")
+
+    scorer = make_scorer(world, Broken())
+    docs = [world.tx(24), world.tx(25, amount=15000.0, currency="USD")]
+    got = decisions(score(scorer, [inbound(doc, world) for doc in docs]))
+    assert [d["degraded"] for d in got] == [True, True]
+    assert [d["action"] for d in got] == ["approve", "review"]
+    assert any("model failed" in w for w in got[0]["explanation"])
+
+
+def test_no_model_loaded_degrades_to_rules(world: World) -> None:
+    scorer = make_scorer(world, None)
+    [d] = decisions(score(scorer, [inbound(world.tx(26), world)]))
+    assert d["degraded"] is True and d["action"] == "approve"
+    assert "degraded: no model loaded" in d["explanation"]
+
+
+# --- rules -----------------------------------------------------------------------------
+
+
+def test_amount_over_the_review_limit_is_reviewed_by_rule(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ConstantModel(0.05))
+    [d] = decisions(score(scorer, [inbound(world.tx(27, amount=15000.0, currency="USD"), world)]))
+    check_full_decision(d)
+    assert d["action"] == "review"
+    assert d["explanation"][0] == "amount 15,000.00 USD over 10,000: forced review"
+    assert d["fraud_score"] == pytest.approx(0.05)
+
+    # With the real ensemble the rule still applies: review, or decline at a decline-level score.
+    real = make_scorer(world, ensemble)
+    [d] = decisions(score(real, [inbound(world.tx(28, amount=15000.0, currency="USD"), world)]))
+    check_full_decision(d)
+    assert d["action"] == ("decline" if d["fraud_score"] >= RULES.decline_threshold else "review")
+    assert "forced review" in d["explanation"][0]
+
+
+def test_a_blocklisted_device_is_declined(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    [d] = decisions(score(scorer, [inbound(world.tx(29, device_id=BLOCKED_DEVICE), world)]))
+    check_full_decision(d)
+    assert d["action"] == "decline"
+    assert d["explanation"][0] == f"blocked device {BLOCKED_DEVICE}"
+
+
+def test_a_decline_level_score_declines(world: World) -> None:
+    scorer = make_scorer(world, ConstantModel(0.97))
+    [d] = decisions(score(scorer, [inbound(world.tx(30), world)]))
+    assert d["action"] == "decline" and d["fraud_score"] == pytest.approx(0.97)
+    assert any("decline threshold" in w for w in d["explanation"])
+
+
+# --- poison messages ---------------------------------------------------------------------
+
+
+def test_one_poison_message_does_not_cost_the_other_31(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    docs = [world.tx(i) for i in range(40, 71)]
+    poison = {"transaction_id": "t-poison-1", "user_id": "u-poison", "amount": {"$gt": 0},
+              "merchant_id": "m-1", "timestamp": _iso(world.now)}  # fmt: skip
+    batch = [inbound(doc, world) for doc in docs[:13]]
+    batch.append(inbound(poison, world))
+    batch += [inbound(doc, world) for doc in docs[13:]]
+    assert len(batch) == 32
+
+    out = score(scorer, batch)
+    got = decisions(out)
+    assert len(got) == 32
+    rejects = [d for d in got if d["action"] == "reject"]
+    assert [d["transaction_id"] for d in rejects] == ["t-poison-1"]
+    assert rejects[0]["error"]["code"] == "wrong_type"
+    scored = [d for d in got if d["action"] != "reject"]
+    assert sorted(d["transaction_id"] for d in scored) == sorted(doc["transaction_id"] for doc in docs)
+    for d in scored:
+        check_full_decision(d)
+    assert len(out.dead_letters) == 1
+    counts = orjson.loads(out.monitoring or b"{}")["counts"]
+    assert counts["batch"] == 32 and counts["rejected"] == 1
+    assert sum(counts.get(a, 0) for a in ("approve", "review", "decline")) == 31
+
+
+def test_a_bug_in_scoring_rejects_the_batch_instead_of_raising(world: World, ensemble: Any) -> None:
+    class Buggy(InMemoryFeatureStore):
+        async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+            return [object()] * len(txs)  # type: ignore[list-item]  # a bug, not an outage
+
+    scorer = make_scorer(world, ensemble, store=Buggy())
+    docs = [world.tx(i) for i in range(71, 74)]
+    out = asyncio.run(scorer.score_batch([inbound(doc, world) for doc in docs] + [inbound(b"nope", world)]))
+    # Nothing escaped, and every message has exactly one outcome.
+    got = decisions(out)
+    assert sorted(d["transaction_id"] for d in got) == sorted(doc["transaction_id"] for doc in docs)
+    assert all(d["action"] == "reject" and d["error"]["code"] == "internal_error" for d in got)
+    letters = dead_letters(out)
+    assert len(letters) == 4
+    assert [key for key, _ in letters].count(None) == 1
+
+
+def test_mixed_batch_every_message_has_exactly_one_outcome(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    earlier = [world.tx(i) for i in range(80, 84)]
+    score(scorer, [inbound(doc, world) for doc in earlier])
+
+    fresh = [world.tx(i) for i in range(84, 100)]
+    bad_with_id = [dict(world.tx(i), currency="ZZZ") for i in range(100, 104)]
+    unreadable = [b"{{", b"null", b"\x00\x01"]
+    batch = (
+        [inbound(doc, world) for doc in fresh]
+        + [inbound(doc, world) for doc in bad_with_id]
+        + [inbound(raw, world) for raw in unreadable]
+        + [inbound(doc, world) for doc in earlier]
+        + [inbound(fresh[0], world)]
+    )
+    out = score(scorer, batch)
+    got = decisions(out)
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for d in got:
+        by_id.setdefault(d["transaction_id"], []).append(d)
+    assert len(got) == len(batch) - len(unreadable)
+    assert all(len(v) == 1 for k, v in by_id.items() if k != fresh[0]["transaction_id"])
+    assert [d["cached"] for d in by_id[fresh[0]["transaction_id"]]] == [False, True]
+    assert all(by_id[doc["transaction_id"]][0]["cached"] for doc in earlier)
+    assert all(by_id[doc["transaction_id"]][0]["action"] == "reject" for doc in bad_with_id)
+    assert len(out.dead_letters) == len(bad_with_id) + len(unreadable)
+
+
+def test_inbound_reads_the_correlation_id_from_any_known_header() -> None:
+    assert Inbound(b"", {"correlation-id": b"a"}).correlation_id == "a"
+    assert Inbound(b"", {"x-correlation-id": b"b"}).correlation_id == "b"
+    assert Inbound(b"", {}).correlation_id is None
+    assert Inbound(b"", {"correlation-id": b"\xff" + b"x" * 300}).correlation_id is not None
+    assert len(Inbound(b"", {"correlation-id": b"x" * 300}).correlation_id or "") == 128
+
+
+def test_transactions_keep_their_types_in_feedback(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    doc = world.tx(104, amount=10)  # an integer amount in the JSON
+    out = score(scorer, [inbound(doc, world)])
+    feedback = orjson.loads(out.feedback[0][1])
+    assert feedback["transaction"]["amount"] == 10.0
+    assert feedback["transaction"]["timestamp"] == pytest.approx(
+        datetime.fromisoformat(doc["timestamp"]).timestamp()
+    )
