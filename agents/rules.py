@@ -134,7 +134,7 @@ def evaluate_rules(rules: RuleSet, tx: Transaction, score: float | None) -> Rule
             )
         return RuleOutcome("approve", ())
     if score >= rules.decline_threshold:
-        return RuleOutcome("decline", (f"score {score:.2f} at or above decline threshold {rules.decline_threshold}",))
+        return RuleOutcome("decline", (f"score {score:.3f} at or above decline threshold {rules.decline_threshold}",))
     if score >= rules.review_threshold:
-        return RuleOutcome("review", (f"score {score:.2f} at or above review threshold {rules.review_threshold}",))
+        return RuleOutcome("review", (f"score {score:.3f} at or above review threshold {rules.review_threshold}",))
     return RuleOutcome("approve", ())
