@@ -9,7 +9,14 @@ from agents.features import FEATURE_NAMES
 
 __all__ = ["describe_reason", "explain"]
 
-_WINDOW_WORDS = {"10m": "10 minutes", "1h": "hour", "24h": "24 hours", "1d": "day", "7d": "7 days", "30d": "30 days"}
+_WINDOW_WORDS = {
+    "10m": "the last 10 minutes",
+    "1h": "the last hour",
+    "24h": "the last 24 hours",
+    "1d": "1 day",
+    "7d": "7 days",
+    "30d": "30 days",
+}
 _INDEX = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 
@@ -36,13 +43,13 @@ def describe_reason(name: str, row: Sequence[float]) -> str:
     if name == "account_age_days":
         return f"account {value:,.0f} days old"
     if name.startswith("velocity_count"):
-        return f"{value:,.0f} transactions in the last {window}"
+        return f"{value:,.0f} transactions in {window}"
     if name.startswith("velocity_sum"):
-        return f"{value:,.2f} USD spent in the last {window}"
+        return f"{value:,.2f} USD spent in {window}"
     if name.startswith("merchant_risk"):
-        return f"merchant fraud rate {value:.0%} over {window}"
+        return f"merchant fraud rate {value:.0%} over {window} (labels a week old)"
     if name.startswith("merchant_count"):
-        return f"merchant had {value:,.0f} transactions over {window}"
+        return f"merchant volume {value:,.0f} transactions over {window} (a week ago)"
     if name.startswith("user_count"):
         return f"{value:,.0f} transactions by the user over the previous {window}"
     if name.startswith("user_mean"):

@@ -5,12 +5,16 @@ Evaluation order (first match decides, except where noted):
 1. **block lists** (user, device, merchant) → ``decline``;
 2. **amount** in USD above ``force_review_amount_usd`` → at least ``review``
    (``decline`` if the score reaches the decline threshold);
-3. **allow lists** (user, device, merchant) → ``approve``;
-4. **score thresholds**: ``>= decline`` → ``decline``, ``>= review`` → ``review``,
+3. **confirmed-fraud merchant**: analysts/chargebacks confirmed at least
+   ``confirmed_fraud_merchant.min_frauds`` frauds there, making at least
+   ``min_share`` of its labels → at least ``review`` (the live tally from the
+   ``labels`` topic: faster than the nightly merchant-risk feature);
+4. **allow lists** (user, device, merchant) → ``approve``;
+5. **score thresholds**: ``>= decline`` → ``decline``, ``>= review`` → ``review``,
    else ``approve``.
 
 When the model gave no score (budget missed, feature store down: a *degraded*
-decision), step 4 is replaced by: amount above ``degraded_review_amount_usd``
+decision), step 5 is replaced by: amount above ``degraded_review_amount_usd``
 → ``review``, else ``approve``.
 
 A file is validated completely before it is used: a bad file raises
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agents.labels import MerchantTally
 from app.contract import Transaction
 from app.errors import RulesError
 
@@ -41,6 +46,9 @@ class RuleSet:
     degraded_review_amount_usd: float
     allow: dict[str, frozenset[str]]
     block: dict[str, frozenset[str]]
+    merchant_min_frauds: int = 0
+    """0 turns the confirmed-fraud merchant rule off."""
+    merchant_min_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +89,20 @@ def parse_rules(doc: Any, source: object = "<rules>") -> RuleSet:
         ),
         allow=_lists(doc.get("allow", {}), "allow", source),
         block=_lists(doc.get("block", {}), "block", source),
+        **_merchant_rule(doc.get("confirmed_fraud_merchant"), source),
     )
+
+
+def _merchant_rule(value: Any, source: object) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RulesError(source, "'confirmed_fraud_merchant' must be an object")
+    frauds = value.get("min_frauds")
+    if isinstance(frauds, bool) or not isinstance(frauds, int) or frauds < 1:
+        raise RulesError(source, f"'confirmed_fraud_merchant.min_frauds' must be an integer >= 1, got {frauds!r}")
+    share = _probability(value.get("min_share"), "confirmed_fraud_merchant.min_share", source)
+    return {"merchant_min_frauds": frauds, "merchant_min_share": share}
 
 
 def _probability(value: Any, name: str, source: object) -> float:
@@ -111,8 +132,11 @@ def _lists(value: Any, name: str, source: object) -> dict[str, frozenset[str]]:
     return out
 
 
-def evaluate_rules(rules: RuleSet, tx: Transaction, score: float | None) -> RuleOutcome:
-    """The action for one transaction given its score (None when degraded)."""
+def evaluate_rules(
+    rules: RuleSet, tx: Transaction, score: float | None, merchant: MerchantTally | None = None
+) -> RuleOutcome:
+    """The action for one transaction given its score (None when degraded) and
+    its merchant's live label tally."""
     for field in LIST_FIELDS:
         value = getattr(tx, field)
         if value is not None and value in rules.block[field]:
@@ -120,6 +144,16 @@ def evaluate_rules(rules: RuleSet, tx: Transaction, score: float | None) -> Rule
     amount = tx.amount_usd
     if amount > rules.force_review_amount_usd:
         hit = f"amount {amount:,.2f} USD over {rules.force_review_amount_usd:,.0f}: forced review"
+        if score is not None and score >= rules.decline_threshold:
+            return RuleOutcome("decline", (hit,))
+        return RuleOutcome("review", (hit,))
+    if (
+        rules.merchant_min_frauds
+        and merchant is not None
+        and merchant.fraud >= rules.merchant_min_frauds
+        and merchant.fraud_share >= rules.merchant_min_share
+    ):
+        hit = f"merchant {tx.merchant_id} has {merchant.fraud} confirmed frauds ({merchant.fraud_share:.0%} of its labels)"
         if score is not None and score >= rules.decline_threshold:
             return RuleOutcome("decline", (hit,))
         return RuleOutcome("review", (hit,))

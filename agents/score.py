@@ -33,6 +33,7 @@ import orjson
 from agents.cache import DecisionCache, content_hash
 from agents.decide import explain
 from agents.feature_store import Enrichment, FeatureStore
+from agents.labels import MerchantTally
 from agents.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
 from agents.rules import RuleSet, evaluate_rules
 from agents.validate import Limits, Rejection, validate
@@ -105,6 +106,7 @@ class Scorer:
         limits: Limits = Limits(),
         model_budget_s: float = 0.05,
         wall_clock: Callable[[], float] = time.time,
+        merchant_tally: Callable[[str], MerchantTally | None] = lambda merchant_id: None,
     ) -> None:
         self.model = model
         self.rules = rules
@@ -113,6 +115,8 @@ class Scorer:
         self.limits = limits
         self.model_budget_s = model_budget_s
         self.wall_clock = wall_clock
+        #: Live confirmed-fraud tally per merchant (a faust GlobalTable in the worker).
+        self.merchant_tally = merchant_tally
         # NOTE: one thread: a prediction that overran its budget keeps the thread
         # busy, so the next batch also misses and degrades instead of piling up
         # CPU-bound work on 2 cores.
@@ -174,7 +178,7 @@ class Scorer:
         drafts = []
         for i, (msg, tx) in enumerate(fresh):
             score = float(scores[i]) if scores is not None else None
-            outcome = evaluate_rules(self.rules, tx, score)
+            outcome = evaluate_rules(self.rules, tx, score, self._tally(tx.merchant_id))
             reasons = prediction.reasons[i] if prediction is not None and prediction.reasons else []
             words = explain(reasons, rows[i], outcome.hits) if rows else list(outcome.hits)
             if score is None:
@@ -212,6 +216,13 @@ class Scorer:
             stats["cached"] += 1
         out.monitoring = self._monitoring(stats, clock, scores)
         return out
+
+    def _tally(self, merchant_id: str) -> MerchantTally | None:
+        try:
+            return self.merchant_tally(merchant_id)
+        except Exception:  # a table read must never cost a decision
+            log.exception("reading the merchant tally failed")
+            return None
 
     async def _answer_from_cache(
         self,

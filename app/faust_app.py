@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from agents.cache import RedisDecisionCache
 from agents.feature_store import RedisFeatureStore
+from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
@@ -76,7 +78,9 @@ class Runtime:
         log.info("serving model %s with rules %s", model.version, rules.version)
         return cls(settings, rules, model)
 
-    def build_scorer(self) -> Scorer:
+    def build_scorer(
+        self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None
+    ) -> Scorer:
         """Redis clients need the running loop: call this inside the agent."""
         import redis.asyncio as aioredis
 
@@ -94,6 +98,7 @@ class Runtime:
             cache=RedisDecisionCache(client, s.decision_cache_ttl_s),
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
+            merchant_tally=merchant_tally,
         )
 
 
@@ -130,7 +135,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         web_port=settings.web_port,
         web_bind=settings.web_host,
         topic_partitions=settings.partitions,
-        topic_allow_declare=False,
+        # Our topics already exist (ensure_topics); faust declares only its own
+        # changelog and repartition topics, with the source's partition count.
+        topic_allow_declare=True,
     )
     app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the patch above
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
@@ -139,7 +146,33 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     dead_letters = app.topic(settings.topic_dlq, **raw)
     feedback = app.topic(settings.topic_feedback, **raw)
     monitoring = app.topic(settings.topic_monitoring, **raw)
+    labels = app.topic(settings.topic_labels, **raw)
     background: set[asyncio.Task[Any]] = set()
+
+    # Live confirmed-fraud tally per merchant, read by the rules of every batch.
+    # A GlobalTable: every worker holds all of it, since any worker may score
+    # any merchant. NOTE: reads are fine inside take(); writes need a current
+    # event, so they happen in the plain labels agent below.
+    # Partitions as the repartitioned labels stream faust declares (the app default).
+    merchant_labels = app.GlobalTable(
+        "merchant-labels", key_type=str, value_type=dict, partitions=settings.partitions
+    )
+
+    def merchant_tally(merchant_id: str) -> MerchantTally | None:
+        doc = merchant_labels.get(merchant_id)
+        return MerchantTally.from_json(doc) if doc else None
+
+    @app.agent(labels)
+    async def tally_labels(stream: faust.StreamT) -> None:
+        # Re-key by merchant so one merchant's labels are counted by one
+        # partition (a GlobalTable written from two partitions would race).
+        async for raw in stream.group_by(_label_merchant, name="labels-by-merchant"):
+            label = parse_label(raw)
+            if isinstance(label, str) or label.merchant_id is None:
+                continue  # malformed or merchant-less labels do not feed the tally
+            tally = MerchantTally.from_json(merchant_labels.get(label.merchant_id))
+            if tally.apply(label):
+                merchant_labels[label.merchant_id] = tally.to_json()
 
     async def emit(scorer: Scorer, output: BatchOutput) -> None:
         # Enqueue everything first, then await the decisions' deliveries together.
@@ -157,7 +190,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
 
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
-        scorer = runtime.build_scorer()
+        scorer = runtime.build_scorer(merchant_tally)
         size, within = settings.batch_size, settings.batch_window_s
         async for events in stream.take_events(size, within=within):
             batch = [_inbound(event) for event in events]
@@ -167,6 +200,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     app.runtime = runtime
     app.scoring_agent = score
     return app
+
+
+def _label_merchant(raw: bytes) -> bytes:
+    label = parse_label(raw)
+    merchant = None if isinstance(label, str) else label.merchant_id
+    return (merchant or "").encode()
 
 
 def _inbound(event: Any) -> Inbound:

@@ -82,3 +82,34 @@ def test_the_shipped_rules_file_is_valid(tmp_path: Path) -> None:
     broken.write_text(json.dumps(RULES)[:-3])
     with pytest.raises(RulesError):
         load_rules(broken)
+
+
+def test_a_merchant_with_confirmed_fraud_forces_review() -> None:
+    from agents.labels import Label, MerchantTally
+
+    with_rule = parse_rules({**RULES, "confirmed_fraud_merchant": {"min_frauds": 2, "min_share": 0.5}})
+    tally = MerchantTally()
+    for i, verdict in enumerate(["fraud", "legit", "fraud"]):
+        tally.apply(Label(f"t{i}", verdict, "analyst", 0.0, "m-1"))
+    assert (tally.fraud, tally.legit) == (2, 1)
+    outcome = evaluate_rules(with_rule, tx(), 0.01, tally)
+    assert outcome.action == "review" and "2 confirmed frauds" in outcome.hits[0]
+    assert evaluate_rules(with_rule, tx(), 0.95, tally).action == "decline"
+    assert evaluate_rules(rules, tx(), 0.01, tally).action == "approve"  # rule off without the setting
+    one = MerchantTally()
+    one.apply(Label("t", "fraud", "analyst", 0.0))
+    assert evaluate_rules(with_rule, tx(), 0.01, one).action == "approve"  # below min_frauds
+
+
+def test_a_redelivered_label_counts_once_and_a_changed_verdict_moves() -> None:
+    from agents.labels import Label, MerchantTally, parse_label
+
+    tally = MerchantTally()
+    assert tally.apply(Label("t1", "fraud", "analyst", 0.0))
+    assert not tally.apply(Label("t1", "fraud", "chargeback", 0.0))
+    assert tally.apply(Label("t1", "legit", "analyst", 0.0))
+    assert (tally.fraud, tally.legit) == (0, 1)
+    assert MerchantTally.from_json(tally.to_json()) == tally
+    assert isinstance(parse_label(b'{"transaction_id": "t", "label": "maybe"}'), str)
+    parsed = parse_label(b'{"transaction_id": "t", "label": "fraud", "source": "customer", "merchant_id": "m"}')
+    assert not isinstance(parsed, str) and parsed.merchant_id == "m"

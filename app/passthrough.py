@@ -1,0 +1,92 @@
+"""The transport ceiling: a faust worker that forwards ``transactions`` to ``decisions``.
+
+It consumes the same topic with the same faust settings as the scoring app
+(fetch max wait, producer linger, session timeout, ``take_events(batch_size,
+within)``, ``concurrency=1``) and produces each message's bytes unchanged,
+under its input key, to ``decisions``. The only thing it leaves out is the
+scoring work, so the gap between it and :func:`app.faust_app.create_app` at the
+same offered rate is what scoring costs. The load generator matches outputs by
+the ``transaction_id`` inside the value, which the forwarded transaction has.
+
+    python -m app.passthrough --web-port 6070     # used by ``python -m bench.run``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import faust
+
+# NOTE: private helpers of the scoring app, imported rather than copied so the
+# two apps cannot drift apart in how they reach the broker.
+from app.faust_app import _credentials, _install_fetch_wait_setting
+from app.settings import Settings
+
+__all__ = ["create_passthrough_app", "main"]
+
+
+def create_passthrough_app(settings: Settings) -> faust.App:
+    """A faust app configured as :func:`app.faust_app.create_app` is, minus scoring."""
+    _install_fetch_wait_setting()
+    sys.setswitchinterval(settings.gil_switch_interval_s)
+    # Keep these arguments identical to create_app's: the comparison depends on it.
+    app = faust.App(
+        settings.app_id,
+        broker=f"kafka://{settings.kafka_bootstrap}",
+        broker_credentials=_credentials(settings),
+        store="memory://",
+        datadir=str(settings.data_dir),
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=settings.heartbeat_interval_s,
+        producer_linger=settings.producer_linger_s,
+        consumer_auto_offset_reset="earliest",
+        web_host=settings.web_host,
+        web_port=settings.web_port,
+        web_bind=settings.web_host,
+        topic_partitions=settings.partitions,
+        topic_allow_declare=False,
+    )
+    app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the fetch-wait patch
+    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
+    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
+
+    @app.agent(transactions, concurrency=1)  # as the scoring agent (faust-streaming #606)
+    async def forward(stream: faust.StreamT) -> None:
+        size, within = settings.batch_size, settings.batch_window_s
+        async for events in stream.take_events(size, within=within):
+            # As the scoring app emits: enqueue the batch, then await deliveries together.
+            pending = [
+                await decisions.send(key=event.message.key, value=event.message.value)
+                for event in events
+            ]
+            await asyncio.gather(*pending)
+
+    app.passthrough_agent = forward
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one pass-through worker (settings from ``FRAUD_*``, as ``fraud-pipeline worker``)."""
+    from app.topics import ensure_topics
+
+    parser = argparse.ArgumentParser(prog="python -m app.passthrough", description=__doc__.splitlines()[0])
+    parser.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
+    parser.add_argument("--loglevel", default="info")
+    parser.add_argument("--broker-wait", type=float, default=60.0, help="seconds to wait for the broker")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {"web_port": args.web_port} if args.web_port else {}
+    settings = Settings(**overrides)
+    asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
+    app = create_passthrough_app(settings)
+    faust.Worker(app, loglevel=args.loglevel, quiet=True).execute_from_commandline()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
