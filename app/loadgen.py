@@ -7,7 +7,14 @@ a closed loop would slow down with the system and hide its queueing.
 
 Latency is measured from the moment a transaction is handed to the producer
 to the moment its decision is read from ``decisions`` by this process's own
-consumer (same clock at both ends).
+consumer (same clock at both ends). How late each send was against its Poisson
+schedule is reported separately (``generator_lag_ms``): if the generator itself
+falls behind, the offered load was lower than asked for.
+
+For benchmarks (``bench/run.py``) a run can start with ``warmup_s`` seconds
+whose transactions are sent but left out of the latency figures, and a
+``sample`` callback whose readings (say, a worker's CPU time) are recorded with
+the number of transactions still awaiting a decision in ``timeline``.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import asyncio
 import json
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,6 +53,12 @@ class LoadConfig:
     """After the last send, wait up to this long for outstanding decisions."""
     settings: Settings = field(default_factory=get_settings)
     quiet: bool = False
+    warmup_s: float = 0.0
+    """Transactions sent in the first ``warmup_s`` seconds get decisions but are
+    left out of the latency percentiles, stage breakdown and achieved rate."""
+    sample: Callable[[], dict[str, float]] | None = None
+    """Called at each report tick, at the end of the warm-up and when sending
+    ends; what it returns is stored in that ``timeline`` entry."""
 
 
 def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | None]:
@@ -55,6 +70,7 @@ def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | Non
             "p99.9": round(float(p999), 1), "max": round(float(arr.max()), 1)}
 
 
+@lru_cache(maxsize=4)  # about a second to build; a benchmark runs many loads
 def _population(data: Path) -> Any:
     from app.simulator import SimulationConfig, build_population
 
@@ -79,10 +95,16 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     await producer.start()
     await consumer.start()
     sent_at: dict[str, float] = {}
-    latencies: list[float] = []
+    measured_ids: set[str] = set()  # sent after the warm-up
+    latencies: list[float] = []  # of measured transactions only
+    gen_lag: list[float] = []  # ms each measured send ran behind its schedule
+    stages: defaultdict[str, list[float]] = defaultdict(list)  # the decisions' own latency_ms
     window: list[float] = []
     actions: Counter[str] = Counter()
     flags: Counter[str] = Counter()
+    timeline: list[dict[str, Any]] = []
+    received: list[float] = []  # monotonic arrival time of every matched decision
+    t_start = time.monotonic()
     try:
         tps = [TopicPartition(s.topic_decisions, p) for p in range(s.partitions)]
         consumer.assign(tps)
@@ -92,18 +114,40 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
 
         done_sending = asyncio.Event()
 
+        def snapshot(event: str | None = None) -> None:
+            entry: dict[str, Any] = {
+                "t": round(time.monotonic() - t_start, 3),
+                "in_flight": len(sent_at),
+                "decided": len(received),
+            }
+            if event:
+                entry["event"] = event
+            if cfg.sample is not None:
+                entry.update(cfg.sample())
+            timeline.append(entry)
+
         async def produce() -> int:
             rng = np.random.default_rng(cfg.seed + 1)
             start = time.monotonic()
             next_at = start
             count = 0
+            warm = cfg.warmup_s > 0
+            if not warm:
+                snapshot("measure_start")
             while next_at - start < cfg.duration_s:
                 delay = next_at - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                if warm and next_at - start >= cfg.warmup_s:
+                    warm = False
+                    snapshot("measure_start")
                 tx = source.next(time.time())
                 correlation = uuid.uuid4().hex[:16]
-                sent_at[tx["transaction_id"]] = time.monotonic()
+                now = time.monotonic()
+                sent_at[tx["transaction_id"]] = now
+                if not warm:
+                    measured_ids.add(tx["transaction_id"])
+                    gen_lag.append((now - next_at) * 1000)
                 await producer.send(
                     s.topic_transactions, orjson.dumps(tx), key=tx["user_id"].encode(),
                     headers=[("correlation-id", correlation.encode())],
@@ -111,6 +155,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
                 count += 1
                 next_at += float(rng.exponential(1.0 / cfg.rate))
             await producer.flush()
+            snapshot("send_end")
             done_sending.set()
             return count
 
@@ -121,13 +166,19 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
                 for records in batches.values():
                     for record in records:
                         doc = orjson.loads(record.value)
-                        started = sent_at.pop(doc["transaction_id"], None)
+                        tx_id = doc.get("transaction_id")
+                        started = sent_at.pop(tx_id, None)
                         if started is None:
                             continue
+                        received.append(now)
                         ms = (now - started) * 1000
-                        latencies.append(ms)
                         window.append(ms)
-                        actions[doc["action"]] += 1
+                        if tx_id in measured_ids:
+                            latencies.append(ms)
+                            for stage, value in (doc.get("latency_ms") or {}).items():
+                                stages[stage].append(value)
+                        # A pass-through worker (bench) forwards transactions: no action.
+                        actions[doc.get("action", "none")] += 1
                         flags["cached"] += bool(doc.get("cached"))
                         flags["degraded"] += bool(doc.get("degraded"))
                 if done_sending.is_set() and not sent_at:
@@ -138,9 +189,10 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
             last = 0
             while True:
                 await asyncio.sleep(cfg.report_every_s)
+                snapshot()
                 p = percentiles(window)
                 window.clear()
-                done = len(latencies)
+                done = len(received)
                 if not cfg.quiet:
                     print(
                         f"[{time.monotonic() - t0:5.1f}s] decided {done:>7,} "
@@ -161,20 +213,32 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
         except asyncio.TimeoutError:
             pass
         reporter.cancel()
+        snapshot("drained")
     finally:
         await producer.stop()
         await consumer.stop()
+    # Throughput over the measured window: decisions that arrived in it, whenever
+    # sent, so a backlog drained afterwards does not count.
+    measure_from = t_start + min(cfg.warmup_s, send_s)
+    in_window = sum(1 for t in received if measure_from <= t <= t_start + send_s)
+    window_s = send_s - (measure_from - t_start)
     summary = {
         "offered_rate": cfg.rate,
         "duration_s": cfg.duration_s,
+        "warmup_s": cfg.warmup_s,
         "sent": sent,
-        "decided": len(latencies),
+        "sent_rate": round(sent / send_s, 1) if send_s else 0.0,
+        "decided": len(received),
+        "measured": len(latencies),
         "lost": len(sent_at),
-        "achieved_rate": round(len(latencies) / send_s, 1) if send_s else 0.0,
+        "achieved_rate": round(in_window / window_s, 1) if window_s > 0 else 0.0,
         "latency_ms": percentiles(latencies),
+        "generator_lag_ms": percentiles(gen_lag),
+        "stages_ms": {name: percentiles(values) for name, values in sorted(stages.items())},
         "actions": dict(actions),
         "cached": flags["cached"],
         "degraded": flags["degraded"],
+        "timeline": timeline,
     }
     if not cfg.quiet:
         lat = summary["latency_ms"]
