@@ -158,15 +158,16 @@ class RedisFeatureStore:
         self._velocity_sha: str | None = None
 
     async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
+        from redis.exceptions import NoScriptError
+
         try:
-            return await self._enrich(txs)
-        except Exception as exc:
-            if "NOSCRIPT" in str(exc):  # Redis restarted and lost the script: load it, retry once
+            try:
+                return await self._enrich(txs)
+            except NoScriptError:
+                # Redis restarted (or SCRIPT FLUSH) and lost the script: load it, retry once.
                 self._velocity_sha = None
-                try:
-                    return await self._enrich(txs)
-                except Exception as again:
-                    exc = again
+                return await self._enrich(txs)
+        except Exception as exc:
             raise FeatureStoreError(f"Redis pipeline failed: {exc!r}") from exc
 
     async def _enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
