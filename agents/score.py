@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from agents.admission import Admission
+from agents.auth import UNSIGNED, AuthResult
 from agents.cache import DecisionCache, content_hash
 from agents.decide import explain
 from agents.feature_store import Enrichment, FeatureStore
@@ -87,8 +89,9 @@ class _Clock:
         self.ms: dict[str, float] = {}
 
     def lap(self, name: str) -> None:
+        """Charge the time since the last lap to ``name`` (added, if it has some)."""
         now = time.perf_counter()
-        self.ms[name] = round((now - self.last) * 1000, 3)
+        self.ms[name] = round(self.ms.get(name, 0.0) + (now - self.last) * 1000, 3)
         self.last = now
 
     def elapsed_ms(self) -> float:
@@ -107,6 +110,7 @@ class Scorer:
         model_budget_s: float = 0.05,
         wall_clock: Callable[[], float] = time.time,
         merchant_tally: Callable[[str], MerchantTally | None] = lambda merchant_id: None,
+        admission: Admission | None = None,
     ) -> None:
         self.model = model
         self.rules = rules
@@ -117,6 +121,8 @@ class Scorer:
         self.wall_clock = wall_clock
         #: Live confirmed-fraud tally per merchant (a faust GlobalTable in the worker).
         self.merchant_tally = merchant_tally
+        #: Authentication, replay guard and rate limits; None trusts every producer.
+        self.admission = admission
         # NOTE: one thread: a prediction that overran its budget keeps the thread
         # busy, so the next batch also misses and degrades instead of piling up
         # CPU-bound work on 2 cores.
@@ -135,20 +141,29 @@ class Scorer:
         out = BatchOutput()
         stats: Counter[str] = Counter(batch=len(batch))
 
-        # 1. validate
+        # 1. authenticate, then validate
         valid: list[tuple[Inbound, Transaction]] = []
+        auths: dict[int, AuthResult] = {}
         for msg in batch:
-            checked = validate(msg.value, now, self.limits)
+            auth = self.admission.authenticate(msg.value, msg.headers, now) if self.admission else UNSIGNED
+            checked = auth if isinstance(auth, Rejection) else validate(msg.value, now, self.limits)
             if isinstance(checked, Rejection):
                 self._reject(out, msg, checked, now)
                 stats["rejected"] += 1
+                stats[f"rejected_{checked.code}"] += 1
             else:
                 valid.append((msg, checked))
+                auths[id(msg)] = auth  # type: ignore[assignment]
         clock.lap("validate")
 
         # 2. cache: resends are answered as before and go no further
         fresh, followers = await self._answer_from_cache(valid, out, clock, stats)
         clock.lap("cache")
+
+        # 2b. admission: replays and rate limits, for what the cache did not answer
+        if self.admission is not None and fresh:
+            fresh, followers = await self._admit(fresh, followers, auths, out, now, stats)
+        clock.lap("validate")  # replay and rate checks count as admission, i.e. validation
 
         # 3. enrich: one round trip for the batch
         txs = [tx for _, tx in fresh]
@@ -216,6 +231,40 @@ class Scorer:
             stats["cached"] += 1
         out.monitoring = self._monitoring(stats, clock, scores)
         return out
+
+    async def _admit(
+        self,
+        fresh: list[tuple[Inbound, Transaction]],
+        followers: list[tuple[Inbound, Transaction, int]],
+        auths: dict[int, AuthResult],
+        out: BatchOutput,
+        now: float,
+        stats: Counter[str],
+    ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
+        assert self.admission is not None
+        verdicts, unavailable = await self.admission.admit(
+            [(auths[id(msg)], f"{msg.partition}:{msg.offset}", tx.transaction_id, tx.user_id) for msg, tx in fresh]
+        )
+        for name in unavailable:
+            stats[f"{name}_unavailable"] += 1
+        kept: list[tuple[Inbound, Transaction]] = []
+        moved: dict[int, int] = {}
+        for i, ((msg, tx), verdict) in enumerate(zip(fresh, verdicts)):
+            if verdict is None:
+                moved[i] = len(kept)
+                kept.append((msg, tx))
+            else:
+                self._reject(out, msg, verdict, now)
+                stats["rejected"] += 1
+                stats[f"rejected_{verdict.code}"] += 1
+        still: list[tuple[Inbound, Transaction, int]] = []
+        for msg, tx, leader in followers:
+            if leader in moved:
+                still.append((msg, tx, moved[leader]))
+            else:  # its first copy was refused: so is this one
+                self._reject(out, msg, verdicts[leader] or Rejection("internal_error", None, "lost leader"), now)
+                stats["rejected"] += 1
+        return kept, still
 
     def _tally(self, merchant_id: str) -> MerchantTally | None:
         try:

@@ -5,7 +5,8 @@
     train         train, evaluate and register the ensemble
     worker        run a scoring worker (a faust worker)
     loadgen       produce live transactions at a fixed rate and measure decisions
-    topics        create the topics with their partition counts
+    topics        create the topics
+    keys          create a producer client's signing key with their partition counts
     stack         start/stop the local broker and Redis (up | down | status)
 """
 
@@ -132,6 +133,25 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
     return 0 if summary["lost"] == 0 else 1
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Add a producer client with a fresh random key to a keys file (created 0600)."""
+    import os
+    import secrets
+
+    path: Path = args.file
+    doc = json.loads(path.read_text()) if path.is_file() else {"clients": {}}
+    if args.client in doc["clients"] and not args.rotate:
+        print(f"client {args.client!r} already has a key in {path} (use --rotate to replace it)")
+        return 0
+    doc["clients"][args.client] = secrets.token_hex(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(doc, indent=2) + "\n")
+    print(f"client {args.client!r}: key written to {path} (give the worker FRAUD_CLIENT_KEYS_FILE={path})")
+    return 0
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     from app import stack
 
@@ -183,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=float, default=1.0, help="seconds between progress lines")
     p.add_argument("--json", help="write the summary here")
     p.set_defaults(func=cmd_loadgen)
+
+    p = sub.add_parser("keys", help="create a producer client key (HMAC signing)")
+    p.add_argument("client", help="the producing client's id, e.g. pos-eu-1")
+    p.add_argument("--file", type=Path, default=Path("config/client-keys.json"))
+    p.add_argument("--rotate", action="store_true", help="replace an existing key")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("topics", help="create the topics")
     p.set_defaults(func=cmd_topics)

@@ -19,8 +19,11 @@ from typing import Any
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from agents.admission import Admission
+from agents.auth import ClientKeys, RedisReplayGuard
 from agents.cache import RedisDecisionCache
 from agents.feature_store import RedisFeatureStore
+from agents.ratelimit import RedisRateLimiter
 from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
@@ -70,13 +73,23 @@ class Runtime:
     settings: Settings
     rules: RuleSet
     model: ScoringModel | None
+    client_keys: ClientKeys
 
     @classmethod
     def load(cls, settings: Settings) -> Runtime:
         rules = load_rules(settings.rules_path)
         model = load_ensemble(settings.registry_dir, settings.model_version)
-        log.info("serving model %s with rules %s", model.version, rules.version)
-        return cls(settings, rules, model)
+        keys = ClientKeys.load(
+            settings.client_keys_file,
+            settings.client_keys.get_secret_value() if settings.client_keys else None,
+        )
+        if not keys and not settings.allow_unsigned:
+            log.warning(
+                "no producer keys (FRAUD_CLIENT_KEYS_FILE / FRAUD_CLIENT_KEYS) and unsigned traffic is "
+                "not allowed: every transaction will be dead-lettered as unauthenticated"
+            )
+        log.info("serving model %s with rules %s; producers: %r", model.version, rules.version, keys)
+        return cls(settings, rules, model, keys)
 
     def build_scorer(
         self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None
@@ -92,6 +105,7 @@ class Runtime:
             socket_connect_timeout=max(s.redis_timeout_s, 0.2),
         )
         return Scorer(
+            admission=self.admission(client),
             model=self.model,
             rules=self.rules,
             store=RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s),
@@ -99,6 +113,19 @@ class Runtime:
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,
+        )
+
+
+    def admission(self, client: Any) -> Admission:
+        s = self.settings
+        return Admission(
+            keys=self.client_keys,
+            window_s=s.auth_window_s,
+            allow_unsigned=s.allow_unsigned,
+            replay=RedisReplayGuard(client),
+            limiter=RedisRateLimiter(
+                client, s.rate_client_per_s, s.rate_client_burst, s.rate_user_per_s, s.rate_user_burst
+            ),
         )
 
 

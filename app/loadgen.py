@@ -81,11 +81,25 @@ def _population(data: Path) -> Any:
     return build_population(SimulationConfig(**meta))
 
 
+def _signer(settings: Settings) -> Any:
+    """Sign as the first configured producer client (``loadgen`` if present), or not at all."""
+    from agents.auth import ClientKeys, sign
+
+    secret = settings.client_keys.get_secret_value() if settings.client_keys else None
+    keys = ClientKeys.load(settings.client_keys_file, secret)
+    if not keys:
+        return lambda value: []
+    client = "loadgen" if "loadgen" in keys else next(iter(keys))
+    key = keys[client]
+    return lambda value: list(sign(value, client, key, int(time.time() * 1000)).items())
+
+
 async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     from app.simulator import LiveTransactions
 
     s = cfg.settings
     source = LiveTransactions(_population(cfg.data), seed=cfg.seed, fraud_rate=cfg.fraud_rate)
+    signer = _signer(s)
     auth = kafka_auth(s)
     producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, linger_ms=2, **auth)
     consumer = AIOKafkaConsumer(
@@ -103,8 +117,8 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     actions: Counter[str] = Counter()
     flags: Counter[str] = Counter()
     timeline: list[dict[str, Any]] = []
+    marks: dict[str, float] = {}  # monotonic time of each timeline event
     received: list[float] = []  # monotonic arrival time of every matched decision
-    t_start = time.monotonic()
     try:
         tps = [TopicPartition(s.topic_decisions, p) for p in range(s.partitions)]
         consumer.assign(tps)
@@ -115,13 +129,15 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
         done_sending = asyncio.Event()
 
         def snapshot(event: str | None = None) -> None:
+            now = time.monotonic()
             entry: dict[str, Any] = {
-                "t": round(time.monotonic() - t_start, 3),
+                "t": round(now - t_start, 3),
                 "in_flight": len(sent_at),
                 "decided": len(received),
             }
             if event:
                 entry["event"] = event
+                marks[event] = now
             if cfg.sample is not None:
                 entry.update(cfg.sample())
             timeline.append(entry)
@@ -148,9 +164,10 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
                 if not warm:
                     measured_ids.add(tx["transaction_id"])
                     gen_lag.append((now - next_at) * 1000)
+                value = orjson.dumps(tx)
                 await producer.send(
-                    s.topic_transactions, orjson.dumps(tx), key=tx["user_id"].encode(),
-                    headers=[("correlation-id", correlation.encode())],
+                    s.topic_transactions, value, key=tx["user_id"].encode(),
+                    headers=[("correlation-id", correlation.encode()), *signer(value)],
                 )
                 count += 1
                 next_at += float(rng.exponential(1.0 / cfg.rate))
@@ -219,9 +236,9 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
         await consumer.stop()
     # Throughput over the measured window: decisions that arrived in it, whenever
     # sent, so a backlog drained afterwards does not count.
-    measure_from = t_start + min(cfg.warmup_s, send_s)
-    in_window = sum(1 for t in received if measure_from <= t <= t_start + send_s)
-    window_s = send_s - (measure_from - t_start)
+    measure_from, measure_to = marks.get("measure_start", t_start), marks.get("send_end", t_start + send_s)
+    in_window = sum(1 for t in received if measure_from <= t <= measure_to)
+    window_s = measure_to - measure_from
     summary = {
         "offered_rate": cfg.rate,
         "duration_s": cfg.duration_s,

@@ -48,7 +48,7 @@ def create_passthrough_app(settings: Settings) -> faust.App:
         web_port=settings.web_port,
         web_bind=settings.web_host,
         topic_partitions=settings.partitions,
-        topic_allow_declare=False,
+        topic_allow_declare=True,
     )
     app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the fetch-wait patch
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}

@@ -47,6 +47,28 @@ class Settings(BaseSettings):
     kafka_ssl: bool = False
     """Use TLS (system CA bundle) for the broker connection."""
 
+    # --- producers: authentication and rate limits ------------------------
+    client_keys_file: Path | None = None
+    """JSON ``{"clients": {"<client-id>": "<hex or base64 key>"}}``: who may produce."""
+
+    client_keys: SecretStr | None = None
+    """``id:key,id:key`` — the same, from the environment (``FRAUD_CLIENT_KEYS``)."""
+
+    allow_unsigned: bool = False
+    """Accept messages without signature headers. For development only; a
+    message that carries any signature header is still verified."""
+
+    auth_window_s: float = 300.0
+    """A signature older or newer than this is refused as stale (clock skew + retries)."""
+
+    rate_client_per_s: float = 10_000.0
+    rate_client_burst: float = 20_000.0
+    """Token bucket per producing client, shared by all workers (Redis)."""
+
+    rate_user_per_s: float = 2.0
+    rate_user_burst: float = 30.0
+    """Token bucket per user: bursts like card testing hit it; shoppers never do."""
+
     # --- faust app ---------------------------------------------------------
     app_id: str = "fraud-pipeline"
     """Faust app id: also the Kafka consumer group id."""

@@ -23,6 +23,10 @@ $BIN/python -m app.stack up
 # shellcheck disable=SC1091
 source .stack/env
 
+# Producers sign their messages (HMAC); the demo's load generator is one of them.
+export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json
+$BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
+
 echo "== 2/5 data and model"
 [[ -f $DATA ]] || $BIN/fraud-pipeline simulate --users 2000 --merchants 4000 --days 45 --out $DATA
 if [[ ! -f models/registry/CURRENT ]]; then

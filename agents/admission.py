@@ -1,0 +1,85 @@
+"""Admission control: who may send, no replays, no floods.
+
+The scorer asks twice per batch:
+
+1. :meth:`Admission.authenticate` (pure, before validation): is the message
+   signed by a known client, within the time window? A refusal is dead-lettered
+   only — never answered with a ``reject`` decision keyed by the message's
+   transaction id, which an unauthenticated sender could use to overwrite a
+   real payment's decision (see :mod:`agents.auth`).
+2. :meth:`Admission.admit` (after the decision cache missed, so a resend costs
+   no tokens and is never "replayed"): one Redis round trip for the replay
+   guard, one for the token buckets. A replay is dead-lettered; a transaction
+   over its client's or user's rate gets a ``reject`` decision with code
+   ``rate_limited`` and the wait in its reason (it is authenticated, so
+   answering it is safe, and the shopper is not left waiting).
+
+If Redis cannot answer either question the batch is admitted (fail open) and
+the failure is counted: the signature window still bounds replays, and
+refusing all payments because a limiter is down would be the bigger outage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from agents.auth import AuthResult, ReplayGuard, replay_ttl_s, verify
+from agents.ratelimit import RateLimiter
+from agents.validate import Rejection
+
+__all__ = ["Admission"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Admission:
+    keys: Mapping[str, bytes]
+    window_s: float = 300.0
+    allow_unsigned: bool = False
+    replay: ReplayGuard | None = None
+    limiter: RateLimiter | None = None
+
+    def authenticate(self, value: bytes, headers: Mapping[str, bytes], now: float) -> AuthResult | Rejection:
+        return verify(value, headers, self.keys, now, self.window_s, allow_unsigned=self.allow_unsigned)
+
+    async def admit(
+        self, items: Sequence[tuple[AuthResult, str, str, str]]
+    ) -> tuple[list[Rejection | None], list[str]]:
+        """``items``: (auth, delivery "partition:offset", transaction_id, user_id).
+
+        Returns, per item, None (admitted) or why not; and the names of the
+        checks that could not be made (for monitoring).
+        """
+        verdicts: list[Rejection | None] = [None] * len(items)
+        unavailable: list[str] = []
+        signed = [i for i, (auth, *_rest) in enumerate(items) if auth.signature]
+        if self.replay is not None and signed:
+            try:
+                firsts = await self.replay.check(
+                    [(items[i][0].signature or "", items[i][1]) for i in signed], replay_ttl_s(self.window_s)
+                )
+            except Exception as exc:
+                log.warning("replay guard unavailable (%r): admitting the batch", exc)
+                unavailable.append("replay_guard")
+                firsts = [True] * len(signed)
+            for i, first in zip(signed, firsts):
+                if not first:
+                    verdicts[i] = Rejection(
+                        "replayed", "signature",
+                        "this signed message was already received as another record",
+                    )
+        pending = [i for i, verdict in enumerate(verdicts) if verdict is None]
+        if self.limiter is not None and pending:
+            try:
+                decisions = await self.limiter.allow([(items[i][0].client_id, items[i][3]) for i in pending])
+            except Exception as exc:
+                log.warning("rate limiter unavailable (%r): admitting the batch", exc)
+                unavailable.append("rate_limiter")
+                decisions = []
+            for i, decision in zip(pending, decisions):
+                if not decision.allowed:
+                    verdicts[i] = decision.rejection(items[i][2], items[i][3])
+        return verdicts, unavailable

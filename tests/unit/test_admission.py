@@ -1,0 +1,116 @@
+"""Authentication, replay and rate limits inside the scoring flow (in-memory fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+
+from agents.admission import Admission
+from agents.auth import InMemoryReplayGuard, sign
+from agents.cache import InMemoryDecisionCache
+from agents.feature_store import InMemoryFeatureStore
+from agents.ratelimit import InMemoryRateLimiter
+from agents.rules import parse_rules
+from agents.score import Inbound, Scorer
+from models.ensemble import Prediction
+
+KEY = bytes(range(32))
+RULES = parse_rules(
+    {"version": "r", "thresholds": {"review": 0.5, "decline": 0.9}, "force_review_amount_usd": 10000,
+     "degraded_review_amount_usd": 1000}
+)
+
+
+class LowModel:
+    version = "low-1"
+
+    def predict(self, features: np.ndarray) -> Prediction:
+        return Prediction(np.full(len(features), 0.05), [[] for _ in range(len(features))])
+
+
+def tx(i: int, user: str = "u-1") -> bytes:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return orjson.dumps({"transaction_id": f"t-{i}", "user_id": user, "amount": 10.0 + i, "merchant_id": "m-1",
+                         "timestamp": stamp})
+
+
+def signed(value: bytes, offset: int, client: str = "pos-1", key: bytes = KEY, skew_ms: int = 0) -> Inbound:
+    headers = sign(value, client, key, int(time.time() * 1000) + skew_ms)
+    return Inbound(value, headers, time.time(), partition=0, offset=offset)
+
+
+def scorer(**admission: Any) -> Scorer:
+    return Scorer(
+        model=LowModel(), rules=RULES, store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(),
+        admission=Admission(keys={"pos-1": KEY}, **admission),
+    )
+
+
+def run(s: Scorer, batch: list[Inbound]) -> tuple[list[dict], list[dict]]:
+    async def score_and_remember() -> Any:
+        out = await s.score_batch(batch)
+        await s.cache.put_many(out.to_cache)  # what the agent does once decisions are delivered
+        return out
+
+    out = asyncio.run(score_and_remember())
+    return [orjson.loads(v) for _, v in out.decisions], [orjson.loads(v) for _, v in out.dead_letters]
+
+
+def test_signed_messages_are_scored_and_unsigned_ones_dead_lettered_without_a_decision() -> None:
+    decisions, dlq = run(scorer(), [signed(tx(1), 1), Inbound(tx(2), {}, time.time(), 0, 2)])
+    assert [d["transaction_id"] for d in decisions] == ["t-1"]
+    assert decisions[0]["action"] == "approve"
+    assert [r["error"]["code"] for r in dlq] == ["unauthenticated"]
+    assert dlq[0]["transaction_id"] is None  # never answer for an unauthenticated sender
+
+
+def test_bad_stale_and_unknown_signatures_say_which() -> None:
+    tampered = signed(tx(1), 1)
+    tampered = Inbound(tx(1).replace(b"11.0", b"99.0"), tampered.headers, time.time(), 0, 1)
+    batch = [tampered, signed(tx(2), 2, skew_ms=-3_600_000), signed(tx(3), 3, client="pos-x")]
+    decisions, dlq = run(scorer(), batch)
+    assert decisions == []
+    assert [r["error"]["code"] for r in dlq] == ["bad_signature", "stale_signature", "unauthenticated"]
+
+
+def test_unsigned_traffic_only_when_allowed() -> None:
+    decisions, dlq = run(scorer(allow_unsigned=True), [Inbound(tx(1), {}, time.time(), 0, 1)])
+    assert len(decisions) == 1 and not dlq
+
+
+def test_a_replay_is_refused_but_a_redelivery_is_not() -> None:
+    s = scorer(replay=InMemoryReplayGuard())
+    first = signed(tx(1), 10)
+    s.cache = InMemoryDecisionCache(ttl_s=0)  # no cache: the guard alone must tell them apart
+    run(s, [first])
+    redelivered, _ = run(s, [Inbound(first.value, first.headers, time.time(), 0, 10)])
+    replayed, dlq = run(s, [Inbound(first.value, first.headers, time.time(), 0, 11)])
+    assert len(redelivered) == 1 and redelivered[0]["action"] == "approve"
+    assert replayed == [] and dlq[0]["error"]["code"] == "replayed"
+
+
+def test_over_the_rate_a_reject_decision_says_rate_limited_and_retry_can_pass() -> None:
+    clock = [1000.0]
+    limiter = InMemoryRateLimiter(100.0, 100.0, 1.0, 2.0, clock=lambda: clock[0])
+    s = scorer(limiter=limiter)
+    decisions, dlq = run(s, [signed(tx(i), i) for i in range(4)])
+    actions = [d["action"] for d in decisions]
+    assert actions.count("approve") == 2 and actions.count("reject") == 2
+    limited = [d for d in decisions if d["action"] == "reject"]
+    assert all(d["error"]["code"] == "rate_limited" for d in limited)
+    assert {r["error"]["code"] for r in dlq} == {"rate_limited"}
+    clock[0] += 5.0  # the bucket refills; the retried transaction is scored, not answered from cache
+    retried, _ = run(s, [signed(tx(int(limited[0]["transaction_id"][2:])), 99)])
+    assert retried[0]["action"] == "approve" and retried[0]["cached"] is False
+
+
+def test_a_resend_is_answered_from_cache_without_spending_tokens() -> None:
+    clock = [1000.0]
+    s = scorer(limiter=InMemoryRateLimiter(100.0, 100.0, 0.001, 1.0, clock=lambda: clock[0]))
+    first, _ = run(s, [signed(tx(1), 1)])
+    again, _ = run(s, [signed(tx(1), 2)])
+    assert first[0]["action"] == "approve" and again[0]["cached"] is True
