@@ -56,3 +56,10 @@ test: setup
 
 clean: stack-down
 	rm -rf .stack data
+
+# Benchmark: transport ceiling vs unbatched vs batched pipeline on one broker,
+# latency vs offered rate, max sustainable rate, batch sweep (bench/run.py).
+# ~9 minutes; QUICK=1: two rates, short runs, no sweep (~2 minutes).
+.PHONY: bench
+bench: setup
+	$(PY) -m bench.run $(if $(QUICK),--quick,)

@@ -113,7 +113,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.web_port:
         overrides["web_port"] = args.web_port
     settings = Settings(**overrides)
-    asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
+    try:
+        asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
+    except Exception as exc:  # still unreachable after the retries: say so, no traceback
+        print(
+            f"fraud-pipeline worker: broker {settings.kafka_bootstrap} unreachable for "
+            f"{args.broker_wait:.0f} s ({exc}); check KAFKA_BOOTSTRAP and that the broker runs",
+            file=sys.stderr,
+        )
+        return 3
     app = create_app(settings)
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True)
     worker.execute_from_commandline()
@@ -191,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a scoring worker")
     p.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
     p.add_argument("--loglevel", default="info")
-    p.add_argument("--broker-wait", type=float, default=60.0, help="seconds to wait for the broker")
+    p.add_argument("--broker-wait", type=float, default=120.0, help="seconds to wait for the broker at start")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("loadgen", help="produce live transactions and measure decisions")

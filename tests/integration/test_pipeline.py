@@ -31,6 +31,7 @@ import pandas as pd
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 
 from app import stack
 from app.materialize import materialize
@@ -100,6 +101,12 @@ class Msg:
     key: bytes
     value: bytes
     correlation: str
+
+
+def partition_of(key: bytes) -> int:
+    """The partition a producer (murmur2, as Java clients) puts ``key`` on."""
+    every = list(range(PARTITIONS))
+    return int(DefaultPartitioner()(key, every, every))
 
 
 def msg(doc: dict[str, Any] | bytes, correlation: str, key: bytes | None = None) -> Msg:
@@ -298,11 +305,18 @@ class Pipeline:
         return asyncio.run(go())
 
 
+RULES = {
+    "version": "rules-integration-1",
+    "thresholds": {"review": 0.5, "decline": 0.9},
+    "force_review_amount_usd": 10000,
+    "degraded_review_amount_usd": 1000,
+    "allow": {"user_id": [], "device_id": [], "merchant_id": []},
+    "block": {"user_id": [], "device_id": [BLOCKED_DEVICE], "merchant_id": []},
+}
+
+
 def _rules_file(path: Path) -> Path:
-    doc = json.loads((REPO / "config" / "rules.json").read_text())
-    doc["version"] = "rules-integration-1"
-    doc["block"]["device_id"] = [BLOCKED_DEVICE]
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(RULES))
     return path
 
 
@@ -316,6 +330,8 @@ def _worker_env(bootstrap: str, redis_url: str, topics: Topics, registry: Path, 
         FRAUD_RULES_PATH=str(_rules_file(workdir / "rules.json")),
         FRAUD_DATA_DIR=str(workdir / "faust"),
         FRAUD_PARTITIONS=str(PARTITIONS),
+        # These tests are about scoring; producer authentication has its own tests.
+        FRAUD_ALLOW_UNSIGNED="true",
         PYTHONUNBUFFERED="1",
         **topics.env(),
     )
@@ -374,9 +390,9 @@ def check_full_decision(d: dict[str, Any], *, expect_degraded: bool = False) -> 
     assert isinstance(d["transaction_id"], str) and d["transaction_id"]
     assert isinstance(d["user_id"], str) and d["user_id"]
     assert isinstance(d["fraud_score"], float) and 0.0 <= d["fraud_score"] <= 1.0
-    assert d["action"] in ("approve", "review", "decline")
+    assert d["action"] in ("approve", "review", "decline"), d["error"] or d
     assert isinstance(d["explanation"], list) and all(isinstance(w, str) and w for w in d["explanation"])
-    assert d["rules_version"] == "rules-integration-1"
+    assert d["rules_version"] == RULES["version"]
     assert d["cached"] is False
     assert d["degraded"] is expect_degraded
     if not expect_degraded:
@@ -496,14 +512,21 @@ def test_a_thousand_mixed_transactions_get_exactly_one_outcome_each(pipeline: Pi
 
 
 def test_large_amount_is_reviewed_and_blocked_device_declined(pipeline: Pipeline) -> None:
-    large = pipeline.make_tx(amount=15000.0, currency="USD")
+    large = [pipeline.make_tx(amount=15000.0, currency="USD") for _ in range(3)]
     blocked = pipeline.make_tx(device_id=BLOCKED_DEVICE)
-    out = pipeline.run([msg(large, "corr-large"), msg(blocked, "corr-blocked")])
+    out = pipeline.run([msg(doc, f"corr-large-{i}") for i, doc in enumerate(large)] + [msg(blocked, "corr-blocked")])
 
-    [d] = out.decisions_for("corr-large")
-    check_full_decision(d)
-    assert d["action"] == "review", f"score {d['fraud_score']}: {d['explanation']}"
-    assert d["explanation"][0] == "amount 15,000.00 USD over 10,000: forced review"
+    actions = []
+    for i in range(len(large)):
+        [d] = out.decisions_for(f"corr-large-{i}")
+        check_full_decision(d)
+        assert d["explanation"][0] == "amount 15,000.00 USD over 10,000: forced review"
+        # At least review; a decline-level score (rare for this amount: <1 % of
+        # users with this model) still declines, as the rules say.
+        expected = "decline" if d["fraud_score"] >= RULES["thresholds"]["decline"] else "review"
+        assert d["action"] == expected, f"score {d['fraud_score']}: {d['explanation']}"
+        actions.append(d["action"])
+    assert "review" in actions
     [d] = out.decisions_for("corr-blocked")
     check_full_decision(d)
     assert d["action"] == "decline"
@@ -511,10 +534,14 @@ def test_large_amount_is_reviewed_and_blocked_device_declined(pipeline: Pipeline
 
 
 def test_a_poison_message_in_a_batch_does_not_cost_the_rest(pipeline: Pipeline) -> None:
-    # One user: one partition, so the 32 messages arrive together and share a batch.
-    person = pipeline.make_tx()
-    docs = [pipeline.make_tx(user_id=person["user_id"]) for _ in range(31)]
-    poison = pipeline.make_tx(user_id=person["user_id"], amount={"$gt": 0})
+    # 32 users whose keys land on one partition: the messages arrive together and
+    # share a batch. (Not one user: 31 payments at once would exceed the per-user
+    # rate limit, burst 30, and be refused for that, which is not this test.)
+    users = sorted({p["user_id"] for p in pipeline.make_tx.people})
+    same = [u for u in users if partition_of(u.encode()) == 0][:32]
+    assert len(same) == 32
+    docs = [pipeline.make_tx(user_id=u) for u in same[:31]]
+    poison = pipeline.make_tx(user_id=same[31], amount={"$gt": 0})
     messages = [msg(doc, f"corr-batch-{i}") for i, doc in enumerate(docs)]
     messages.insert(17, msg(poison, "corr-poison"))
     out = pipeline.run(messages)
@@ -582,13 +609,21 @@ def test_redis_outage_degrades_and_recovers(
         deadline = time.monotonic() + 30.0
         recovered = None
         wave = 0
+        why: set[str] = set()
         while recovered is None:
-            assert time.monotonic() < deadline, "no full decision within 30 s of Redis coming back"
+            if time.monotonic() > deadline:
+                failures = [line for line in pipeline.worker.log(400).splitlines() if "feature store failed" in line]
+                raise AssertionError(
+                    f"no full decision within 30 s of Redis coming back; decisions said {sorted(why)}; "
+                    f"the worker's last word: {failures[-1:] or pipeline.worker.log(10)}"
+                )
             wave += 1
             docs = [pipeline.make_tx() for _ in range(3)]
             wave_msgs = [msg(doc, f"after-{wave}-{i}") for i, doc in enumerate(docs)]
             out = pipeline.run(wave_msgs, timeout=30.0, settle=0.0)
-            full = [d for m in wave_msgs for d in out.decisions_for(m.correlation) if not d["degraded"]]
+            got = [d for m in wave_msgs for d in out.decisions_for(m.correlation)]
+            why |= {w for d in got for w in d["explanation"] if w.startswith("degraded")}
+            full = [d for d in got if not d["degraded"]]
             if full:
                 recovered = full[0]
             else:
