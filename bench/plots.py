@@ -1,0 +1,221 @@
+"""PNGs from a bench results document (``bench/results/latest.json``).
+
+    python -m bench.plots [bench/results/latest.json]   # redraw without rerunning
+
+latency_vs_rate.png  p50/p95/p99 against offered rate, ceiling vs unbatched vs batched
+stages.png           the pipeline's own per-stage latency (the decisions' ``latency_ms``)
+lag.png              transactions awaiting their decision over each main run
+sweep.png            p99 and throughput over batch size × window (full mode only)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # NOTE: before pyplot: no display on servers and in CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+
+from bench.run import THRESHOLDS_MS, generator_kept_up  # noqa: E402
+
+__all__ = ["plot_all"]
+
+COLORS = {"ceiling": "tab:gray", "unbatched": "tab:red", "batched": "tab:blue"}
+#: The pipeline's stages in flow order; stages it adds later are drawn after these.
+STAGES = ("queue_wait", "validate", "cache", "features", "model", "rules")
+
+Run = Mapping[str, Any]
+
+
+def _runs(doc: Mapping[str, Any], variant: str, phases: Sequence[str] = ("rate", "search")) -> list[Run]:
+    runs = [r for r in doc["runs"] if r["variant"] == variant and r.get("phase") in phases]
+    return sorted(runs, key=lambda r: r["offered_tps"])
+
+
+def _subtitle(doc: Mapping[str, Any]) -> str:
+    m = doc["machine"]
+    return f"{m['cores']} cores, {m['cpu_model']}, {'quick' if doc.get('quick') else 'full'} run {doc['started_at']}"
+
+
+def latency_vs_rate(doc: Mapping[str, Any], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for variant, color in COLORS.items():
+        runs = [r for r in _runs(doc, variant) if r["p50_ms"] is not None]
+        if not runs:
+            continue
+        x = [r["offered_tps"] for r in runs]
+        for key, style, label in (("p50_ms", ":", "p50"), ("p95_ms", "--", "p95"), ("p99_ms", "-", "p99")):
+            ax.plot(x, [r[key] for r in runs], style, color=color, marker="o", ms=3, label=f"{variant} {label}")
+        # Runs that lost decisions (their percentiles flatter them) or whose generator lagged.
+        bad = [r for r in runs if r["lost"] or not generator_kept_up(r)]
+        if bad:
+            ax.scatter([r["offered_tps"] for r in bad], [r["p99_ms"] for r in bad], marker="x", s=60,
+                       color=color, zorder=5)  # fmt: skip
+    for t in THRESHOLDS_MS:
+        ax.axhline(t, color="black", lw=0.8, alpha=0.5)
+        ax.text(ax.get_xlim()[0], t, f" {t:g} ms", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered rate (transactions/s, Poisson)")
+    ax.set_ylabel("latency send → decision read (ms)")
+    ax.set_title(f"Latency vs offered rate (x: decisions lost, or the generator lagged)\n{_subtitle(doc)}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=3)
+    path = out / "latency_vs_rate.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def stages(doc: Mapping[str, Any], out: Path) -> Path | None:
+    """Top: the scoring stages' p50s stacked, queue wait and end to end written above.
+    Bottom: every stage's p99, queue wait included, on a log scale.
+
+    NOTE: stages other than queue_wait are per batch: every decision of a batch
+    carries its batch's times. Queue wait runs from the producer's timestamp to
+    the start of scoring (linger, broker, fetch wait, take batching, backlog).
+    """
+    variants = [v for v in ("unbatched", "batched") if any(r["stages"] for r in _runs(doc, v, ("rate",)))]
+    if not variants:
+        return None
+    fig, axes = plt.subplots(2, len(variants), figsize=(6.5 * len(variants), 8), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    seen = {name for v in variants for r in _runs(doc, v, ("rate",)) for name in r["stages"]}
+    order = [*STAGES, *sorted(seen - set(STAGES) - {"total"})]
+    work = order[1:]  # everything after queue_wait
+    for col, variant in enumerate(variants):
+        runs = [r for r in _runs(doc, variant, ("rate",)) if r["stages"]]
+        labels = [f"{r['offered_tps']:,.0f}" for r in runs]
+        x = np.arange(len(runs))
+
+        def stage(run: Run, name: str, pct: str) -> float:
+            return float((run["stages"].get(name) or {}).get(pct) or 0.0)
+
+        ax = axes[0][col]
+        bottom = np.zeros(len(runs))
+        for i, name in enumerate(work, start=1):
+            values = np.array([stage(r, name, "p50") for r in runs])
+            ax.bar(x, values, 0.6, bottom=bottom, label=name, color=cmap(i))
+            bottom += values
+        for xi, r, top in zip(x, runs, bottom):
+            ax.annotate(f"queue wait {stage(r, 'queue_wait', 'p50'):,.1f}\nend to end {r['p50_ms']:,.1f}",
+                        (xi, top), ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.set_ylim(0, max(bottom.max() * 1.8, 1.0))  # room for the labels and the legend
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("offered rate (TPS)")
+        ax.set_ylabel("p50 ms")
+        ax.set_title(f"{variant}: scoring stages, p50 (stacked)", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, ncol=5, loc="upper center")
+
+        ax = axes[1][col]
+        names = (*order, "total")
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            values = [stage(r, name, "p99") or np.nan for r in runs]  # a missing stage: no bar
+            ax.bar(x - 0.4 + (i + 0.5) * width, values, width, label=name,
+                   color="black" if name == "total" else cmap(i))  # fmt: skip
+        ax.plot(x, [r["p99_ms"] for r in runs], "kD", ms=5, label="end to end")
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        ax.set_ylim(max(low, 0.05), high * 30)  # headroom for the legend
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("offered rate (TPS)")
+        ax.set_ylabel("p99 ms (log)")
+        ax.set_title(f"{variant}: each stage's p99", fontsize=9)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=4, loc="upper center")
+    fig.suptitle(f"Where a decision's time goes (the decisions' latency_ms)\n{_subtitle(doc)}", fontsize=10)
+    fig.tight_layout()
+    path = out / "stages.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def lag(doc: Mapping[str, Any], out: Path) -> Path | None:
+    rates = sorted({r["offered_tps"] for r in doc["runs"] if r.get("phase") == "rate"})
+    if not rates:
+        return None
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for variant, color in COLORS.items():
+            for r in _runs(doc, variant, ("rate",)):
+                if r["offered_tps"] == rate and r["lag"]:
+                    t, n = zip(*r["lag"])
+                    ax.plot(t, n, color=color, label=variant)
+                    ax.axvline(r["warmup_s"], color="black", lw=0.6, alpha=0.4)
+        ax.set_title(f"{rate:,.0f} TPS offered", fontsize=9)
+        ax.set_xlabel("s since load start (line: end of warm-up)")
+        ax.set_ylabel("awaiting decision")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"End-to-end lag: transactions sent and not yet decided\n{_subtitle(doc)}", fontsize=10)
+    fig.tight_layout()
+    path = out / "lag.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sweep(doc: Mapping[str, Any], out: Path) -> Path | None:
+    runs = [r for r in doc["runs"] if r.get("phase") == "sweep" and r["p99_ms"] is not None]
+    if not runs:
+        return None
+    sizes = sorted({r["batch_size"] for r in runs})
+    windows = sorted({r["batch_window_ms"] for r in runs})
+    p99 = np.full((len(sizes), len(windows)), np.nan)
+    text = [["" for _ in windows] for _ in sizes]
+    for r in runs:
+        i, j = sizes.index(r["batch_size"]), windows.index(r["batch_window_ms"])
+        p99[i, j] = r["p99_ms"]
+        text[i][j] = f"p99 {r['p99_ms']:,.0f}\np50 {r['p50_ms']:,.0f}\n{r['achieved_tps']:,.0f}/s"
+        if r["lost"]:
+            text[i][j] += f"\nlost {r['lost']}"
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 * len(windows) + 2), 1.3 * len(sizes) + 2.5))
+    finite = p99[np.isfinite(p99)]
+    # A fixed scale (10 ms .. 1 s at least), so colours mean the same from run to run.
+    norm = LogNorm(vmin=min(10.0, float(finite.min())), vmax=max(1000.0, float(finite.max())))
+    im = ax.imshow(p99, cmap="viridis_r", norm=norm, aspect="auto")
+    for i in range(len(sizes)):
+        for j in range(len(windows)):
+            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=8,
+                    color="white" if np.isfinite(p99[i, j]) and p99[i, j] > np.sqrt(norm.vmin * norm.vmax) else "black")  # fmt: skip
+    ax.set_xticks(range(len(windows)), [f"{w:g} ms" for w in windows])
+    ax.set_yticks(range(len(sizes)), [str(s) for s in sizes])
+    ax.set_xlabel("batch window (FRAUD_BATCH_WINDOW_S)")
+    ax.set_ylabel("batch size (FRAUD_BATCH_SIZE)")
+    fig.colorbar(im, ax=ax, label="p99 ms")
+    rate = runs[0]["offered_tps"]
+    ax.set_title(f"Batch size × window at {rate:,.0f} TPS offered\n{_subtitle(doc)}", fontsize=9)
+    fig.tight_layout()
+    path = out / "sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(doc: Mapping[str, Any], out: Path) -> list[Path]:
+    """Draw every plot the document has data for; return the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = [latency_vs_rate(doc, out), stages(doc, out), lag(doc, out), sweep(doc, out)]
+    # A quick run draws no sweep: do not leave an older run's next to its numbers.
+    for name in ("stages.png", "lag.png", "sweep.png"):
+        if out / name not in drawn:
+            (out / name).unlink(missing_ok=True)
+    return [p for p in drawn if p is not None]
+
+
+if __name__ == "__main__":
+    source = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench/results/latest.json")
+    for png in plot_all(json.loads(source.read_text()), source.parent):
+        print(png)

@@ -1,0 +1,961 @@
+"""The benchmark: transport ceiling, unbatched and batched pipeline, one broker, one run.
+
+    python -m bench.run            # full: about 9 minutes
+    python -m bench.run --quick    # 1,000 and 2,500 TPS, short runs, no sweep: about 2 minutes
+
+Every variant gets its own worker subprocess on fresh topics (the local
+broker's ListOffsets "latest" is wrong after multi-record batches, so nothing
+here depends on it), a probe transaction that must come back before load
+starts, warm-up seconds left out of every figure, and open-loop Poisson load
+from :func:`app.loadgen.run_load`. Variants:
+
+    ceiling      ``python -m app.passthrough``: same faust settings and take
+                 batching as ``batched``, forwards bytes instead of scoring
+    unbatched    ``fraud-pipeline worker`` with FRAUD_BATCH_SIZE=1
+    batched      ``fraud-pipeline worker`` with 32 per batch, 10 ms window
+    sweep-S-MS   batch size S × window MS ms, at one rate (full mode only)
+
+For ceiling/unbatched/batched it then searches the highest offered rate that
+keeps p99 under 200 ms and under 50 ms (see :func:`next_probe`). A run passes a
+threshold only if nothing was lost, at most 1 % of decisions were degraded
+(the model missed its budget, so the rules alone decided) and the generator
+kept its schedule (p99 of its sends' lateness under 100 ms). "Lag" is the number of transactions still awaiting
+their decision, sampled every half second: end-to-end consumer lag, measured
+without ListOffsets.
+
+Results go to ``bench/results/latest.json`` (plus a timestamped copy), PNGs
+from :mod:`bench.plots` next to it, and a table to stdout. Worker, broker and
+Redis logs stay in ``.stack/bench/<timestamp>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FULL_PLAN",
+    "QUICK_PLAN",
+    "Plan",
+    "Variant",
+    "bracket",
+    "cpu_pct_between",
+    "format_report",
+    "generator_kept_up",
+    "main",
+    "next_probe",
+    "parse_stat_cpu_s",
+    "parse_status_rss_mb",
+    "passes",
+    "ratios",
+    "run_record",
+    "sustainable",
+    "validate_results",
+]
+
+log = logging.getLogger("bench")
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+DATA = REPO / "data" / "transactions.parquet"
+SCHEMA = "fraud-pipeline-bench/1"
+
+THRESHOLDS_MS = (200.0, 50.0)
+MAX_DEGRADED_FRACTION = 0.01
+#: The generator sends on a Poisson schedule; a send later than this (p99) means
+#: it could not keep the schedule, so the load was not what the run claims.
+#: (The count sent is the schedule's, Poisson noise included: not a test of it.)
+GENERATOR_LAG_LIMIT_MS = 100.0
+#: A worker that never prints "Ready" or never answers the probe is given up on.
+READY_TIMEOUT_S = 90.0
+PROBE_TIMEOUT_S = 45.0
+STOP_TIMEOUT_S = 10.0
+SAMPLE_EVERY_S = 0.5
+#: The client id the load generator signs as (app.loadgen prefers "loadgen").
+BENCH_CLIENT = "loadgen"
+#: NOTE: the simulated population is 2,000 users, so at 5,000 TPS every user
+#: would be over the per-user limit (2/s), which traffic spread over a real
+#: card base is not: answers would be "rate_limited" rejects, not scores. The
+#: limiter still runs (its Redis round trip is part of the cost); it never bites.
+BENCH_RATE_LIMITS = {
+    "FRAUD_RATE_USER_PER_S": "1e9",
+    "FRAUD_RATE_USER_BURST": "1e9",
+    "FRAUD_RATE_CLIENT_PER_S": "1e9",
+    "FRAUD_RATE_CLIENT_BURST": "1e9",
+}
+#: The same small population ``make simulate`` builds.
+SIMULATE_ARGS = ("--users", "2000", "--merchants", "4000", "--days", "45")
+
+
+def threshold_key(threshold_ms: float) -> str:
+    return f"p99_under_{threshold_ms:g}ms"
+
+
+# --- the plan -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One worker configuration."""
+
+    name: str
+    passthrough: bool
+    batch_size: int
+    batch_window_s: float
+
+    def env(self) -> dict[str, str]:
+        return {"FRAUD_BATCH_SIZE": str(self.batch_size), "FRAUD_BATCH_WINDOW_S": str(self.batch_window_s)}
+
+
+# The ceiling takes batches as ``batched`` does, so scoring is the only difference.
+CEILING = Variant("ceiling", passthrough=True, batch_size=32, batch_window_s=0.01)
+UNBATCHED = Variant("unbatched", passthrough=False, batch_size=1, batch_window_s=0.01)
+BATCHED = Variant("batched", passthrough=False, batch_size=32, batch_window_s=0.01)
+MAIN_VARIANTS = (CEILING, UNBATCHED, BATCHED)
+
+
+def sweep_variants(sizes: Sequence[int], windows_ms: Sequence[int]) -> tuple[Variant, ...]:
+    return tuple(
+        Variant(f"sweep-{size}-{ms}", passthrough=False, batch_size=size, batch_window_s=ms / 1000)
+        for size in sizes
+        for ms in windows_ms
+    )
+
+
+@dataclass(frozen=True)
+class Phase:
+    """How long one measured run lasts."""
+
+    warmup_s: float
+    measure_s: float
+    drain_s: float
+    """After sending, how long to wait for outstanding decisions. Past it the
+    rest count as lost and the worker (backlogged) is replaced."""
+
+    @property
+    def load_s(self) -> float:
+        return self.warmup_s + self.measure_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    quick: bool
+    rates: tuple[float, ...]
+    main: Phase
+    search: Phase
+    search_steps: tuple[int, ...]
+    """Probe runs per threshold of THRESHOLDS_MS, on top of the main rates."""
+    search_floor_tps: float
+    search_cap_tps: float
+    sweep: tuple[Variant, ...]
+    sweep_rate: float
+    sweep_phase: Phase
+    deadline_s: float
+    """Searches stop probing when the rest of the plan would not fit before this."""
+
+
+FULL_PLAN = Plan(
+    quick=False,
+    rates=(1000.0, 2500.0, 5000.0),
+    main=Phase(warmup_s=2.0, measure_s=8.0, drain_s=5.0),
+    search=Phase(warmup_s=1.0, measure_s=4.0, drain_s=2.0),
+    search_steps=(3, 2),
+    search_floor_tps=100.0,
+    search_cap_tps=40000.0,
+    sweep=sweep_variants((8, 16, 32, 64), (5, 10, 20)),
+    sweep_rate=2500.0,
+    sweep_phase=Phase(warmup_s=1.0, measure_s=4.0, drain_s=3.0),
+    deadline_s=560.0,
+)
+QUICK_PLAN = Plan(
+    quick=True,
+    rates=(1000.0, 2500.0),
+    main=Phase(warmup_s=1.0, measure_s=4.0, drain_s=4.0),
+    search=Phase(warmup_s=1.0, measure_s=3.0, drain_s=2.0),
+    search_steps=(1, 0),
+    search_floor_tps=100.0,
+    search_cap_tps=40000.0,
+    sweep=(),
+    sweep_rate=2500.0,
+    sweep_phase=Phase(warmup_s=1.0, measure_s=3.0, drain_s=2.0),
+    deadline_s=170.0,
+)
+
+
+# --- pure parts: readings, pass/fail, the search, the results document ------------------
+
+
+def parse_stat_cpu_s(stat: str, clk_tck: int) -> float:
+    """User + system CPU seconds from a ``/proc/<pid>/stat`` line.
+
+    The command name (field 2) may hold spaces and parentheses, so fields are
+    counted from the last ``)``: utime and stime are fields 14 and 15.
+    """
+    rest = stat[stat.rindex(")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / clk_tck
+
+
+def parse_status_rss_mb(status: str) -> float | None:
+    """Resident set size in MiB from ``/proc/<pid>/status`` (``VmRSS:  1234 kB``)."""
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def cpu_pct_between(timeline: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """CPU % (100 = one core) of the ``key`` CPU-seconds readings over the measured
+    window: from the ``measure_start`` entry to the ``send_end`` entry."""
+    marks = {e.get("event"): e for e in timeline if e.get("event") in ("measure_start", "send_end")}
+    start, end = marks.get("measure_start"), marks.get("send_end")
+    if start is None or end is None or start.get(key) is None or end.get(key) is None:
+        return None
+    span = end["t"] - start["t"]
+    if span <= 0:
+        return None
+    return round(100.0 * (end[key] - start[key]) / span, 1)
+
+
+def _measured_entries(timeline: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    t0 = next((e["t"] for e in timeline if e.get("event") == "measure_start"), None)
+    t1 = next((e["t"] for e in timeline if e.get("event") == "send_end"), None)
+    if t0 is None or t1 is None:
+        return list(timeline)
+    return [e for e in timeline if t0 <= e["t"] <= t1]
+
+
+def run_record(
+    variant: Variant, phase: str, offered_tps: float, summary: Mapping[str, Any], *, worker: str,
+    other_pids: Sequence[str] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """One entry of ``runs`` from a :func:`app.loadgen.run_load` summary (with bench sampling)."""
+    lat = summary["latency_ms"]
+    timeline = summary.get("timeline", [])
+    rss = [e["rss_mb"] for e in _measured_entries(timeline) if e.get("rss_mb") is not None]
+    return {
+        "variant": variant.name,
+        "phase": phase,
+        "worker": worker,
+        "batch_size": variant.batch_size,
+        "batch_window_ms": round(variant.batch_window_s * 1000, 3),
+        "offered_tps": offered_tps,
+        "sent_tps": summary["sent_rate"],
+        "achieved_tps": summary["achieved_rate"],
+        "p50_ms": lat["p50"],
+        "p95_ms": lat["p95"],
+        "p99_ms": lat["p99"],
+        "p999_ms": lat["p99.9"],
+        "max_ms": lat["max"],
+        "warmup_s": summary["warmup_s"],
+        "measure_s": round(summary["duration_s"] - summary["warmup_s"], 3),
+        "sent": summary["sent"],
+        "measured": summary["measured"],
+        "decided": summary["decided"],
+        "lost": summary["lost"],
+        "degraded": summary["degraded"],
+        "cached": summary["cached"],
+        "cpu_pct": cpu_pct_between(timeline, "cpu_s"),
+        "rss_mb": round(max(rss), 1) if rss else None,
+        "other_cpu_pct": {
+            name: cpu_pct_between(timeline, f"{name}_cpu_s") for name in ("loadgen", *other_pids)
+        },
+        "generator_lag_p99_ms": summary["generator_lag_ms"]["p99"],
+        "actions": dict(summary.get("actions", {})),
+        "stages": {
+            stage: {"p50": p["p50"], "p99": p["p99"]} for stage, p in summary.get("stages_ms", {}).items()
+        },
+        "lag": [[e["t"], e["in_flight"]] for e in timeline],
+    }
+
+
+def passes(run: Mapping[str, Any], threshold_ms: float) -> bool:
+    """Whether a run sustained its offered rate with p99 under ``threshold_ms``."""
+    p99 = run.get("p99_ms")
+    if run.get("error") or p99 is None or run["lost"] > 0:
+        return False
+    if run["degraded"] > MAX_DEGRADED_FRACTION * max(run["decided"], 1):
+        return False
+    if not generator_kept_up(run):
+        return False  # the load generator, not the worker, shaped this run
+    return bool(p99 < threshold_ms)
+
+
+def generator_kept_up(run: Mapping[str, Any]) -> bool:
+    lag = run.get("generator_lag_p99_ms")
+    return lag is None or lag <= GENERATOR_LAG_LIMIT_MS
+
+
+def bracket(outcomes: Mapping[float, bool]) -> tuple[float, float | None]:
+    """``(lo, hi)``: the lowest failing rate and the highest passing rate below it.
+
+    Noise can make a higher rate pass after a lower one failed; the lowest
+    failure bounds the answer, so such a pass is not believed.
+    """
+    fails = [rate for rate, ok in outcomes.items() if not ok]
+    hi = min(fails) if fails else None
+    lo = max((rate for rate, ok in outcomes.items() if ok and (hi is None or rate < hi)), default=0.0)
+    return lo, hi
+
+
+def next_probe(
+    outcomes: Mapping[float, bool], *, floor: float, cap: float, rel_resolution: float = 0.1,
+    step: float = 50.0,
+) -> float | None:  # fmt: skip
+    """The next offered rate to try in the search for the highest passing rate, or None.
+
+    Doubles the highest pass while nothing failed (up to ``cap``), then bisects
+    between the highest pass and the lowest failure (from 0 if nothing passed,
+    not below ``floor``) until they are within ``rel_resolution`` of the
+    failure. Rates are rounded to ``step``; a rate already tried ends the search.
+    """
+    lo, hi = bracket(outcomes)
+    if hi is None:
+        if lo <= 0:
+            return floor
+        if lo >= cap:
+            return None
+        return min(cap, _round(lo * 2, step))
+    if hi <= floor:
+        return None  # even the floor fails
+    if hi - lo <= max(step, rel_resolution * hi):
+        return None
+    mid = max(floor, _round((lo + hi) / 2, step))
+    if mid in outcomes or not lo < mid < hi:
+        return None
+    return mid
+
+
+def _round(rate: float, step: float) -> float:
+    return float(max(step, round(rate / step) * step))
+
+
+def sustainable(runs: Sequence[Mapping[str, Any]], threshold_ms: float) -> dict[str, Any]:
+    """The highest offered rate that passed ``threshold_ms`` (see :func:`bracket`).
+
+    ``lower_bound`` is true when no tried rate failed: the answer is at least ``tps``.
+    """
+    outcomes: dict[float, bool] = {}
+    for run in runs:
+        outcomes[run["offered_tps"]] = passes(run, threshold_ms)
+    if not outcomes:
+        return {"tps": None, "bracket": [None, None], "lower_bound": False, "probes": []}
+    lo, hi = bracket(outcomes)
+    return {
+        "tps": lo,
+        "bracket": [lo, hi],
+        "lower_bound": hi is None,
+        "probes": [
+            [run["offered_tps"], run.get("p99_ms"), passes(run, threshold_ms)]
+            for run in sorted(runs, key=lambda r: r["offered_tps"])
+        ],
+    }
+
+
+def ratios(max_sustainable: Mapping[str, Mapping[str, Mapping[str, Any]]], threshold_ms: float = 200.0) -> dict[str, Any]:
+    """Batched max sustainable TPS over unbatched's and over the ceiling's."""
+    key = threshold_key(threshold_ms)
+
+    def tps(variant: str) -> float | None:
+        entry = max_sustainable.get(variant, {}).get(key)
+        return None if entry is None else entry["tps"]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else round(a / b, 3)
+
+    batched = tps("batched")
+    return {
+        "threshold_ms": threshold_ms,
+        "batched_over_unbatched": ratio(batched, tps("unbatched")),
+        "batched_over_ceiling": ratio(batched, tps("ceiling")),
+    }
+
+
+_RUN_FIELDS: dict[str, tuple[type, ...]] = {
+    "variant": (str,),
+    "offered_tps": (int, float),
+    "achieved_tps": (int, float),
+    "p50_ms": (int, float, type(None)),
+    "p95_ms": (int, float, type(None)),
+    "p99_ms": (int, float, type(None)),
+    "p999_ms": (int, float, type(None)),
+    "lost": (int,),
+    "degraded": (int,),
+    "cpu_pct": (int, float, type(None)),
+    "rss_mb": (int, float, type(None)),
+    "lag": (list,),
+}
+
+
+def validate_results(doc: Mapping[str, Any]) -> list[str]:
+    """What is wrong with a results document (empty when it has the agreed shape)."""
+    problems: list[str] = []
+    for key in ("schema", "machine", "settings", "runs", "max_sustainable", "ratios"):
+        if key not in doc:
+            problems.append(f"missing {key!r}")
+    machine = doc.get("machine", {})
+    for key in ("cores", "cpu_model", "python"):
+        if key not in machine:
+            problems.append(f"machine: missing {key!r}")
+    for i, run in enumerate(doc.get("runs", [])):
+        for key, types in _RUN_FIELDS.items():
+            if key not in run:
+                problems.append(f"runs[{i}]: missing {key!r}")
+            elif not isinstance(run[key], types) or isinstance(run[key], bool):
+                problems.append(f"runs[{i}].{key}: {type(run[key]).__name__}")
+        for j, sample in enumerate(run.get("lag", [])):
+            if not (isinstance(sample, list) and len(sample) == 2):
+                problems.append(f"runs[{i}].lag[{j}]: not [t, in_flight]")
+                break
+    for variant, entry in doc.get("max_sustainable", {}).items():
+        for threshold in THRESHOLDS_MS:
+            found = entry.get(threshold_key(threshold))
+            if found is None or "tps" not in found or "bracket" not in found:
+                problems.append(f"max_sustainable.{variant}: missing {threshold_key(threshold)}")
+    for key in ("batched_over_unbatched", "batched_over_ceiling"):
+        if key not in doc.get("ratios", {}):
+            problems.append(f"ratios: missing {key!r}")
+    return problems
+
+
+def machine_info() -> dict[str, Any]:
+    model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": model or platform.processor() or None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# --- processes --------------------------------------------------------------------------
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    try:
+        return parse_stat_cpu_s(Path(f"/proc/{pid}/stat").read_text(), _CLK_TCK)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def proc_rss_mb(pid: int) -> float | None:
+    try:
+        return parse_status_rss_mb(Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _sampler(worker_pid: int, others: Mapping[str, int]) -> Callable[[], dict[str, float]]:
+    """Readings for :class:`app.loadgen.LoadConfig.sample`: CPU seconds and RSS."""
+
+    def sample() -> dict[str, float]:
+        out: dict[str, Any] = {
+            "cpu_s": proc_cpu_s(worker_pid),
+            "rss_mb": proc_rss_mb(worker_pid),
+            # The generator shares the machine: its CPU is part of the picture.
+            "loadgen_cpu_s": _own_cpu_s(),
+        }
+        for name, pid in others.items():
+            out[f"{name}_cpu_s"] = proc_cpu_s(pid)
+        return out
+
+    return sample
+
+
+class WorkerError(RuntimeError):
+    """A worker did not start, did not answer the probe, or died."""
+
+
+class Worker:
+    """One worker subprocess on its own topics and consumer group, stopped by PID."""
+
+    def __init__(self, variant: Variant, services: Services, workdir: Path) -> None:
+        from app import stack
+
+        self.variant = variant
+        self.tag = f"{variant.name}-{uuid.uuid4().hex[:8]}"
+        topics = {
+            name: f"bench-{short}-{self.tag}"
+            for name, short in (
+                ("transactions", "tx"), ("decisions", "dec"), ("dlq", "dlq"),
+                ("feedback", "fb"), ("monitoring", "mon"), ("labels", "lab"),
+            )
+        }  # fmt: skip
+        port = stack.free_port()
+        ours = {
+            **services.env(),
+            "FRAUD_APP_ID": f"bench-{self.tag}",
+            "FRAUD_DATA_DIR": str(workdir / "faust" / self.tag),
+            **{f"FRAUD_TOPIC_{name.upper()}": topic for name, topic in topics.items()},
+            **variant.env(),
+        }
+        env = {**os.environ, **ours, "PYTHONUNBUFFERED": "1"}
+        # The load generator sees the settings the worker does (same environment).
+        self.settings = settings_from_env(ours)
+        if variant.passthrough:
+            argv = [sys.executable, "-m", "app.passthrough"]
+        else:
+            script = Path(sys.executable).parent / "fraud-pipeline"
+            argv = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+            argv.append("worker")
+        argv += ["--web-port", str(port), "--loglevel", "info"]
+        self.log_path = workdir / f"worker-{self.tag}.log"
+        (workdir / "faust").mkdir(parents=True, exist_ok=True)  # faust makes only the last level
+        self.started_at = time.monotonic()
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        log.debug("worker %s pid %d: %s", self.tag, self.proc.pid, " ".join(argv))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 12) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self) -> float:
+        """Block until "Ready" is logged and a probe transaction got its decision;
+        return the seconds since start."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while b"Ready" not in self.log_path.read_bytes():
+            if not self.alive():
+                raise WorkerError(f"worker {self.tag} exited ({self.proc.returncode}):\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"worker {self.tag} not Ready after {READY_TIMEOUT_S:.0f} s:\n{self.tail()}")
+            time.sleep(0.1)
+        self._probe()
+        return time.monotonic() - self.started_at
+
+    def _probe(self) -> None:
+        from app.loadgen import LoadConfig, run_load
+
+        # A handful of transactions; run_load waits up to drain_s for their
+        # decisions, which arrive once partitions are assigned and the model loaded.
+        cfg = LoadConfig(
+            rate=20.0, duration_s=0.25, data=DATA, seed=1, drain_s=PROBE_TIMEOUT_S, quiet=True,
+            settings=self.settings, report_every_s=5.0,
+        )  # fmt: skip
+        summary = asyncio.run(run_load(cfg))
+        if summary["decided"] == 0 or not self.alive():
+            raise WorkerError(f"worker {self.tag} answered no probe in {PROBE_TIMEOUT_S:.0f} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
+        if not self.alive():
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("worker %s ignored SIGTERM for %.0f s; killing it", self.tag, STOP_TIMEOUT_S)
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+@dataclass
+class Services:
+    """The broker and Redis: ours (started and stopped here) or given by the environment."""
+
+    bootstrap: str
+    redis_url: str
+    pids: dict[str, int] = field(default_factory=dict)
+    """Processes we started, by name: their CPU is sampled too."""
+    client_key: str = field(default_factory=lambda: secrets.token_hex(32))
+    """This run's producer key: the load generator signs, pipeline workers verify."""
+
+    def env(self) -> dict[str, str]:
+        """The environment every bench worker (and the load generator's settings) gets."""
+        return {
+            "KAFKA_BOOTSTRAP": self.bootstrap,
+            "FRAUD_KAFKA_BOOTSTRAP": self.bootstrap,
+            "REDIS_URL": self.redis_url,
+            "FRAUD_REDIS_URL": self.redis_url,
+            # Signed as a real producer would: verification is part of the cost.
+            "FRAUD_CLIENT_KEYS": f"{BENCH_CLIENT}:{self.client_key}",
+            **BENCH_RATE_LIMITS,
+        }
+
+
+def settings_from_env(env: Mapping[str, str]) -> Any:
+    """:class:`app.settings.Settings` with ``FRAUD_*`` values from ``env`` over the process's."""
+    from app.settings import Settings
+
+    fields = Settings.model_fields
+    values = {key[len("FRAUD_"):].lower(): v for key, v in env.items() if key.startswith("FRAUD_")}
+    return Settings(**{name: v for name, v in values.items() if name in fields})
+
+
+@contextmanager
+def services(workdir: Path) -> Iterator[Services]:
+    from app import stack
+
+    handles: list[Any] = []
+    try:
+        bootstrap = os.environ.get("FRAUD_KAFKA_BOOTSTRAP") or os.environ.get("KAFKA_BOOTSTRAP")
+        if bootstrap:
+            stack.wait_broker_ready(bootstrap)
+        else:
+            handles.append(stack.start_broker(workdir=workdir))
+            bootstrap = handles[-1].url
+        redis_url = os.environ.get("FRAUD_REDIS_URL") or os.environ.get("REDIS_URL")
+        if redis_url:
+            stack.wait_redis_ready(redis_url)
+        else:
+            handles.append(stack.start_redis(workdir=workdir))
+            redis_url = handles[-1].url
+        yield Services(bootstrap, redis_url, {h.name: h.pid for h in handles})
+    finally:
+        for handle in reversed(handles):
+            handle.stop()
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).parent / "fraud-pipeline"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+
+
+def prepare(svc: Services) -> dict[str, Any]:
+    """Data, model and online features: simulate and train only if missing; always materialize."""
+    from app.settings import Settings
+
+    env = dict(os.environ, REDIS_URL=svc.redis_url, FRAUD_REDIS_URL=svc.redis_url)
+    done: dict[str, Any] = {}
+
+    def step(name: str, *args: str) -> None:
+        t0 = time.monotonic()
+        print(f"bench: {name} ...", flush=True)
+        subprocess.run([*_cli(), name, *args], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+        done[name] = round(time.monotonic() - t0, 1)
+
+    if not DATA.exists():
+        step("simulate", *SIMULATE_ARGS, "--out", str(DATA), "--quiet")
+    registry = Settings().registry_dir
+    registry = registry if registry.is_absolute() else REPO / registry
+    if not (registry / "CURRENT").exists():
+        step("train", "--data", str(DATA), "--quiet")
+    step("materialize", "--data", str(DATA), "--quiet")
+    done["model"] = (registry / "CURRENT").read_text().strip()
+    return done
+
+
+class Bench:
+    """Runs the plan against one broker and Redis; collects ``runs`` and ``max_sustainable``."""
+
+    def __init__(self, plan: Plan, svc: Services, workdir: Path, started: float) -> None:
+        self.plan = plan
+        self.svc = svc
+        self.workdir = workdir
+        self.deadline = started + plan.deadline_s
+        self.runs: list[dict[str, Any]] = []
+        self.errors: list[dict[str, str]] = []
+        self.max_sustainable: dict[str, dict[str, Any]] = {}
+        self.truncated: list[str] = []
+        self._seed = 100
+        # Running estimates for the deadline check (seconds); refined as we go.
+        self._start_s = 10.0
+        self._stop_s = 2.0
+
+    # -- workers and single runs --
+
+    def _start(self, variant: Variant) -> Worker:
+        worker = Worker(variant, self.svc, self.workdir)
+        try:
+            took = worker.wait_ready()
+        except BaseException:
+            worker.stop()
+            raise
+        self._start_s = max(self._start_s, took)
+        print(f"bench: {variant.name}: worker {worker.tag} (pid {worker.pid}) ready in {took:.1f} s", flush=True)
+        return worker
+
+    def _stop(self, worker: Worker | None) -> None:
+        if worker is not None:
+            t0 = time.monotonic()
+            worker.stop()
+            self._stop_s = max(self._stop_s, time.monotonic() - t0)
+
+    def _measure(self, worker: Worker, rate: float, phase: Phase, label: str) -> dict[str, Any]:
+        from app.loadgen import LoadConfig, run_load
+
+        self._seed += 1
+        cfg = LoadConfig(
+            rate=rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
+            data=DATA, seed=self._seed, report_every_s=SAMPLE_EVERY_S, quiet=True,
+            settings=worker.settings, sample=_sampler(worker.pid, self.svc.pids),
+        )  # fmt: skip
+        summary = asyncio.run(run_load(cfg))
+        record = run_record(worker.variant, label, rate, summary, worker=worker.tag, other_pids=tuple(self.svc.pids))
+        if not worker.alive():
+            record["error"] = f"worker exited ({worker.proc.returncode}) during the run"
+        self.runs.append(record)
+        print("bench:   " + _row(record), flush=True)
+        return record
+
+    def _afford(self, seconds: float, reserve: float = 0.0) -> bool:
+        return time.monotonic() + seconds + reserve <= self.deadline
+
+    def _cell_s(self) -> float:
+        """Estimated seconds for one sweep cell: start, load, drain, stop."""
+        return self._start_s + self.plan.sweep_phase.load_s + 1.0 + self._stop_s
+
+    def _sweep_reserve(self, done: int = 0) -> float:
+        return (len(self.plan.sweep) - done) * self._cell_s()
+
+    # -- the phases --
+
+    def main_variant(self, variant: Variant) -> None:
+        """The main rates, then the searches, on one worker (replaced when backlogged)."""
+        plan, worker = self.plan, None
+        mine: list[dict[str, Any]] = []
+        try:
+            for rate in plan.rates:
+                worker = worker or self._start(variant)
+                record = self._measure(worker, rate, plan.main, "rate")
+                mine.append(record)
+                if record["lost"] or record.get("error"):
+                    self._stop(worker)
+                    worker = None
+            for threshold, steps in zip(THRESHOLDS_MS, plan.search_steps):
+                for _ in range(steps):
+                    outcomes = {r["offered_tps"]: passes(r, threshold) for r in mine}
+                    rate = next_probe(outcomes, floor=plan.search_floor_tps, cap=plan.search_cap_tps)
+                    if rate is None:
+                        break
+                    cost = plan.search.load_s + plan.search.drain_s + (0 if worker else self._start_s)
+                    if not self._afford(cost, self._sweep_reserve()):
+                        self.truncated.append(f"{variant.name}: search for {threshold_key(threshold)}")
+                        break
+                    worker = worker or self._start(variant)
+                    record = self._measure(worker, rate, plan.search, "search")
+                    mine.append(record)
+                    if record["lost"] or record.get("error"):
+                        self._stop(worker)
+                        worker = None
+        except WorkerError as exc:
+            self.errors.append({"variant": variant.name, "error": str(exc)})
+            print(f"bench: {variant.name}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self._stop(worker)
+        self.max_sustainable[variant.name] = {threshold_key(t): sustainable(mine, t) for t in THRESHOLDS_MS}
+
+    def sweep(self) -> None:
+        for i, variant in enumerate(self.plan.sweep):
+            if not self._afford(self._cell_s()):
+                self.truncated.append(f"sweep from {variant.name}")
+                break
+            worker = None
+            try:
+                worker = self._start(variant)
+                self._measure(worker, self.plan.sweep_rate, self.plan.sweep_phase, "sweep")
+            except WorkerError as exc:
+                self.errors.append({"variant": variant.name, "error": str(exc)})
+                print(f"bench: {variant.name}: {exc}", file=sys.stderr, flush=True)
+            finally:
+                self._stop(worker)
+
+
+# --- output -----------------------------------------------------------------------------
+
+_HEADER = (
+    f"{'variant':<14}{'phase':<7}{'offered':>8}{'sent':>8}{'achieved':>9}{'p50':>9}{'p95':>9}{'p99':>9}"
+    f"{'p99.9':>9}{'lost':>8}{'degr':>6}{'cpu%':>6}{'rssMB':>6}{'gen%':>6}{'genlag99':>9}"
+)
+
+
+def _num(value: Any, width: int, digits: int = 0) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width},.{digits}f}"
+
+
+def _row(run: Mapping[str, Any]) -> str:
+    return (
+        f"{run['variant']:<14}{run['phase']:<7}{_num(run['offered_tps'], 8)}{_num(run['sent_tps'], 8)}"
+        f"{_num(run['achieved_tps'], 9)}{_num(run['p50_ms'], 9, 1)}{_num(run['p95_ms'], 9, 1)}"
+        f"{_num(run['p99_ms'], 9, 1)}{_num(run['p999_ms'], 9, 1)}{_num(run['lost'], 8)}"
+        f"{_num(run['degraded'], 6)}{_num(run['cpu_pct'], 6)}{_num(run['rss_mb'], 6)}"
+        f"{_num(run['other_cpu_pct'].get('loadgen'), 6)}{_num(run['generator_lag_p99_ms'], 9, 1)}"
+        + (f"  ERROR {run['error']}" if run.get("error") else "")
+    )
+
+
+def format_report(doc: Mapping[str, Any]) -> str:
+    lines = [
+        f"fraud-pipeline bench ({'quick' if doc['quick'] else 'full'}) on {doc['machine']['cores']} cores, "
+        f"{doc['machine']['cpu_model']}, Python {doc['machine']['python']}; {doc['duration_s']:.0f} s",
+        "latency in ms from send to decision read back; cpu% of the worker (100 = one core), "
+        "gen% the load generator's",
+        _HEADER,
+    ]
+    order = {v.name: i for i, v in enumerate(MAIN_VARIANTS)}
+    runs = sorted(doc["runs"], key=lambda r: (order.get(r["variant"], 99), r["variant"], r["offered_tps"]))
+    lines += [_row(r) for r in runs]
+    lines.append("")
+    lines.append(f"{'max sustainable TPS':<20}" + "".join(f"{threshold_key(t):>22}" for t in THRESHOLDS_MS))
+    for variant, entry in doc["max_sustainable"].items():
+        cells = []
+        for t in THRESHOLDS_MS:
+            found = entry[threshold_key(t)]
+            lo, hi = found["bracket"]
+            if lo is None:
+                text = "not measured"
+            elif hi is None:
+                text = f">= {lo:,.0f}"
+            else:
+                text = f"{lo:,.0f} (fails {hi:,.0f})"
+            cells.append(f"{text:>22}")
+        lines.append(f"{variant:<20}" + "".join(cells))
+    r = doc["ratios"]
+    lines.append(
+        f"ratios at p99 < {r['threshold_ms']:g} ms: batched/unbatched {r['batched_over_unbatched']}, "
+        f"batched/ceiling {r['batched_over_ceiling']}"
+    )
+    for note in doc.get("truncated", []):
+        lines.append(f"cut short by the time budget: {note}")
+    for err in doc.get("errors", []):
+        lines.append(f"ERROR {err['variant']}: {err['error'].splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def write_results(doc: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(doc, indent=1) + "\n"
+    stamp = doc["started_at"].replace(":", "").replace("-", "")[:15]
+    (out_dir / f"bench-{stamp}.json").write_text(text)
+    latest = out_dir / "latest.json"
+    latest.write_text(text)
+    return latest
+
+
+def _settings_doc(svc: Services) -> dict[str, Any]:
+    doc: dict[str, Any] = settings_from_env(svc.env()).model_dump(mode="json")  # secrets come out masked
+    # Per variant: see each run's batch_size / batch_window_ms; topics and app id are per worker.
+    for key in ("batch_size", "batch_window_s", "app_id", "web_port"):
+        doc.pop(key, None)
+    return {k: v for k, v in doc.items() if not k.startswith("topic_")}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,000 and 2,500 TPS, short runs, no sweep")
+    parser.add_argument("--rates", type=float, nargs="+", help="override the offered rates (TPS)")
+    parser.add_argument("--sweep-rate", type=float, help="offered rate of the sweep runs (TPS)")
+    parser.add_argument("--sweep-sizes", type=int, nargs="+", help="batch sizes of the sweep (default 8 16 32 64)")
+    parser.add_argument("--sweep-windows-ms", type=int, nargs="+", help="batch windows of the sweep (default 5 10 20)")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    if args.rates:
+        plan = replace(plan, rates=tuple(sorted(args.rates)))
+    if args.sweep_rate:
+        plan = replace(plan, sweep_rate=args.sweep_rate)
+    if args.sweep_sizes or args.sweep_windows_ms:
+        plan = replace(plan, sweep=sweep_variants(args.sweep_sizes or (8, 16, 32, 64), args.sweep_windows_ms or (5, 10, 20)))
+    if args.no_sweep:
+        plan = replace(plan, sweep=())
+
+    # SIGTERM (make killed, CI timeout) unwinds like Ctrl-C, so every worker,
+    # the broker and Redis are stopped by the finally blocks below.
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    started = time.monotonic()
+    started_at = datetime.now(UTC)
+    workdir = REPO / ".stack" / "bench" / started_at.strftime("%Y%m%dT%H%M%S")
+    machine = machine_info()
+    with services(workdir) as svc:
+        prepared = prepare(svc)
+        bench = Bench(plan, svc, workdir, started)
+        for variant in MAIN_VARIANTS:
+            bench.main_variant(variant)
+        bench.sweep()
+        settings = _settings_doc(svc)
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "quick": plan.quick,
+        "started_at": started_at.isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - started, 1),
+        "machine": machine,
+        "settings": settings,
+        "plan": _plan_doc(plan),
+        "prepared": prepared,
+        "runs": bench.runs,
+        "max_sustainable": bench.max_sustainable,
+        "ratios": ratios(bench.max_sustainable, 200.0),
+        "ratios_p99_under_50ms": ratios(bench.max_sustainable, 50.0),
+        "truncated": bench.truncated,
+        "errors": bench.errors,
+        "logs": str(workdir),
+    }
+    for problem in validate_results(doc):
+        log.warning("results: %s", problem)
+    latest = write_results(doc, args.out)
+    try:
+        from bench.plots import plot_all
+
+        pngs = plot_all(doc, args.out)
+    except Exception:  # plots are a convenience: the numbers are already written
+        log.exception("plotting failed")
+        pngs = []
+    print()
+    print(format_report(doc))
+    print(f"\nresults: {latest.relative_to(REPO) if latest.is_relative_to(REPO) else latest}")
+    for png in pngs:
+        print(f"plot:    {png.relative_to(REPO) if png.is_relative_to(REPO) else png}")
+    return 1 if bench.errors else 0
+
+
+def _plan_doc(plan: Plan) -> dict[str, Any]:
+    doc = asdict(plan)
+    doc["sweep"] = [v.name for v in plan.sweep]
+    doc["thresholds_ms"] = list(THRESHOLDS_MS)
+    doc["max_degraded_fraction"] = MAX_DEGRADED_FRACTION
+    doc["generator_lag_limit_ms"] = GENERATOR_LAG_LIMIT_MS
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The pure parts of the benchmark harness: readings, pass/fail, the search, the results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.loadgen import LoadConfig, percentiles
+from bench.run import (
+    BATCHED,
+    CEILING,
+    FULL_PLAN,
+    QUICK_PLAN,
+    UNBATCHED,
+    THRESHOLDS_MS,
+    bracket,
+    cpu_pct_between,
+    format_report,
+    next_probe,
+    parse_stat_cpu_s,
+    parse_status_rss_mb,
+    passes,
+    ratios,
+    run_record,
+    sustainable,
+    threshold_key,
+    validate_results,
+)
+
+# --- synthetic inputs ------------------------------------------------------------------
+
+
+def summary(rate: float = 1000.0, *, p99: float | None = 40.0, lost: int = 0, degraded: int = 0,
+            gen_lag: float = 2.0, decided: int = 5000) -> dict[str, Any]:  # fmt: skip
+    """What app.loadgen.run_load returns for a bench run (warm-up 1 s, 5 s in all)."""
+    lat = None if p99 is None else {"p50": p99 / 4, "p95": p99 / 2, "p99": p99, "p99.9": p99 * 1.5, "max": p99 * 2}
+    return {
+        "offered_rate": rate,
+        "duration_s": 5.0,
+        "warmup_s": 1.0,
+        "sent": int(rate * 5),
+        "sent_rate": rate * 0.97,  # Poisson: the count sent is a sample, not a test of the generator
+        "decided": decided,
+        "measured": decided - int(rate),
+        "lost": lost,
+        "achieved_rate": rate,
+        "latency_ms": lat or percentiles([]),
+        "generator_lag_ms": {"p50": 0.5, "p95": 1.0, "p99": gen_lag, "p99.9": gen_lag, "max": gen_lag},
+        "stages_ms": {
+            "queue_wait": {"p50": 8.0, "p95": 15.0, "p99": 20.0, "p99.9": 22.0, "max": 25.0},
+            "model": {"p50": 1.0, "p95": 2.0, "p99": 3.0, "p99.9": 4.0, "max": 5.0},
+            "total": {"p50": 10.0, "p95": 18.0, "p99": 25.0, "p99.9": 27.0, "max": 30.0},
+        },
+        "actions": {"approve": decided},
+        "cached": 0,
+        "degraded": degraded,
+        "timeline": [
+            {"t": 0.5, "in_flight": 12, "decided": 480, "cpu_s": 10.0, "rss_mb": 250.0, "loadgen_cpu_s": 3.0},
+            {"t": 1.0, "in_flight": 10, "decided": 990, "event": "measure_start", "cpu_s": 10.2,
+             "rss_mb": 251.0, "loadgen_cpu_s": 3.2},
+            {"t": 3.0, "in_flight": 11, "decided": 2990, "cpu_s": 11.0, "rss_mb": 260.0, "loadgen_cpu_s": 3.6},
+            {"t": 5.0, "in_flight": 9, "decided": 4990, "event": "send_end", "cpu_s": 11.8,
+             "rss_mb": 255.0, "loadgen_cpu_s": 4.0},
+            {"t": 5.2, "in_flight": 0, "decided": 5000, "event": "drained", "cpu_s": 11.9,
+             "rss_mb": 400.0, "loadgen_cpu_s": 4.1},
+        ],
+    }  # fmt: skip
+
+
+def record(variant=BATCHED, rate: float = 1000.0, **kw: Any) -> dict[str, Any]:
+    return run_record(variant, "rate", rate, summary(rate, **kw), worker=f"{variant.name}-x")
+
+
+def results_doc(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by_variant: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_variant.setdefault(r["variant"], []).append(r)
+    max_sus = {v: {threshold_key(t): sustainable(rs, t) for t in THRESHOLDS_MS} for v, rs in by_variant.items()}
+    return {
+        "schema": "fraud-pipeline-bench/1",
+        "quick": True,
+        "started_at": "2026-12-02T12:00:00+00:00",
+        "duration_s": 90.0,
+        "machine": {"cores": 2, "cpu_model": "Test CPU", "python": "3.11.7"},
+        "settings": {"partitions": 8},
+        "runs": runs,
+        "max_sustainable": max_sus,
+        "ratios": ratios(max_sus),
+    }
+
+
+# --- percentiles and /proc readings --------------------------------------------------------
+
+
+def test_percentiles_of_a_known_distribution() -> None:
+    p = percentiles(np.arange(1, 1001, dtype=float))
+    assert p == {"p50": 500.5, "p95": 950.0, "p99": 990.0, "p99.9": 999.0, "max": 1000.0}
+
+
+def test_percentiles_of_nothing_are_none() -> None:
+    assert set(percentiles([]).values()) == {None}
+
+
+def test_loadconfig_stays_backward_compatible() -> None:
+    cfg = LoadConfig(rate=10.0, duration_s=1.0)
+    assert cfg.warmup_s == 0.0 and cfg.sample is None and cfg.quiet is False
+
+
+def test_stat_cpu_counts_from_the_last_paren() -> None:
+    # comm with a space and a parenthesis; utime 250, stime 50 ticks (fields 14, 15).
+    fields = ["S", "1", "2", "3", "0", "-1", "4194560", "10", "0", "0", "0", "250", "50"] + ["0"] * 30
+    line = "4242 (fraud (pipe) x) " + " ".join(fields)
+    assert parse_stat_cpu_s(line, 100) == pytest.approx(3.0)
+
+
+def test_status_rss_in_mib() -> None:
+    status = "Name:\tpython\nVmPeak:\t 999999 kB\nVmRSS:\t  262144 kB\nThreads:\t9\n"
+    assert parse_status_rss_mb(status) == 256.0
+    assert parse_status_rss_mb("Name:\tzombie\n") is None
+
+
+def test_cpu_pct_uses_the_measured_window_only() -> None:
+    timeline = summary()["timeline"]
+    # 11.8 - 10.2 CPU seconds over 5.0 - 1.0 s: 40 % of one core; warm-up and drain left out.
+    assert cpu_pct_between(timeline, "cpu_s") == 40.0
+    assert cpu_pct_between(timeline, "loadgen_cpu_s") == 20.0
+    assert cpu_pct_between(timeline, "broker_cpu_s") is None
+    assert cpu_pct_between([e for e in timeline if e.get("event") != "send_end"], "cpu_s") is None
+
+
+def test_run_record_fields() -> None:
+    r = record(CEILING, 2500.0, p99=80.0)
+    assert r["variant"] == "ceiling" and r["offered_tps"] == 2500.0
+    assert (r["p50_ms"], r["p95_ms"], r["p99_ms"], r["p999_ms"]) == (20.0, 40.0, 80.0, 120.0)
+    assert r["cpu_pct"] == 40.0
+    assert r["rss_mb"] == 260.0  # the drain's 400 MiB is outside the window
+    assert r["measure_s"] == 4.0
+    assert r["stages"]["model"] == {"p50": 1.0, "p99": 3.0}
+    assert r["lag"][0] == [0.5, 12] and len(r["lag"]) == 5
+    assert r["batch_size"] == 32 and r["batch_window_ms"] == 10.0
+
+
+# --- pass/fail and the search ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "threshold", "expected"),
+    [
+        ({"p99": 40.0}, 50.0, True),
+        ({"p99": 50.0}, 50.0, False),  # strictly under
+        ({"p99": 150.0}, 200.0, True),
+        ({"p99": 40.0, "lost": 1}, 200.0, False),
+        ({"p99": 40.0, "degraded": 50}, 200.0, True),  # 1 % of 5,000
+        ({"p99": 40.0, "degraded": 51}, 200.0, False),
+        ({"p99": 40.0, "gen_lag": 100.0}, 200.0, True),
+        ({"p99": 40.0, "gen_lag": 150.0}, 200.0, False),  # the generator fell behind
+        ({"p99": None, "decided": 0}, 200.0, False),
+    ],
+)
+def test_passes(kw: dict[str, Any], threshold: float, expected: bool) -> None:
+    assert passes(record(**kw), threshold) is expected
+
+
+def test_a_run_with_an_error_never_passes() -> None:
+    r = record(p99=10.0)
+    r["error"] = "worker exited"
+    assert not passes(r, 200.0)
+
+
+def test_bracket_does_not_believe_a_pass_above_a_failure() -> None:
+    assert bracket({1000.0: True, 2500.0: False, 3000.0: True, 5000.0: False}) == (1000.0, 2500.0)
+    assert bracket({1000.0: True, 2500.0: True}) == (2500.0, None)
+    assert bracket({1000.0: False}) == (0.0, 1000.0)
+
+
+def test_next_probe_doubles_until_something_fails() -> None:
+    assert next_probe({1000.0: True, 2500.0: True}, floor=100, cap=40000) == 5000.0
+    assert next_probe({40000.0: True}, floor=100, cap=40000) is None
+    assert next_probe({30000.0: True}, floor=100, cap=40000) == 40000.0
+    assert next_probe({}, floor=100, cap=40000) == 100
+
+
+def test_next_probe_bisects_and_stops_at_the_resolution() -> None:
+    assert next_probe({1000.0: True, 2500.0: False}, floor=100, cap=40000) == 1750.0
+    assert next_probe({2300.0: True, 2500.0: False}, floor=100, cap=40000) is None  # within 10 %
+    assert next_probe({1000.0: False}, floor=100, cap=40000) == 500.0
+    assert next_probe({100.0: False}, floor=100, cap=40000) is None  # even the floor fails
+
+
+@pytest.mark.parametrize("capacity", [180.0, 700.0, 3300.0, 4999.0, 12000.0])
+def test_search_converges_on_a_synthetic_system(capacity: float) -> None:
+    """A system that passes below ``capacity``: the search brackets it within 10 %."""
+    outcomes = {1000.0: 1000.0 < capacity, 2500.0: 2500.0 < capacity, 5000.0: 5000.0 < capacity}
+    tried = list(outcomes)
+    for _ in range(20):
+        rate = next_probe(outcomes, floor=100, cap=40000)
+        if rate is None:
+            break
+        assert rate not in tried
+        tried.append(rate)
+        outcomes[rate] = rate < capacity
+    lo, hi = bracket(outcomes)
+    assert hi is not None and lo < capacity <= hi
+    assert hi - lo <= max(50.0, 0.1 * hi)
+    assert len(tried) <= 3 + 8
+
+
+def test_sustainable_and_ratios() -> None:
+    runs = [
+        record(CEILING, 1000.0, p99=20.0), record(CEILING, 2500.0, p99=30.0), record(CEILING, 5000.0, p99=120.0),
+        record(UNBATCHED, 1000.0, p99=150.0), record(UNBATCHED, 2500.0, p99=900.0, lost=3),
+        record(BATCHED, 1000.0, p99=30.0), record(BATCHED, 2500.0, p99=60.0), record(BATCHED, 5000.0, p99=400.0),
+    ]  # fmt: skip
+    doc = results_doc(runs)
+    ms = doc["max_sustainable"]
+    assert ms["ceiling"][threshold_key(200)] | {"probes": None} == {
+        "tps": 5000.0, "bracket": [5000.0, None], "lower_bound": True, "probes": None,
+    }  # fmt: skip
+    assert ms["ceiling"][threshold_key(50)]["tps"] == 2500.0
+    assert ms["unbatched"][threshold_key(200)]["bracket"] == [1000.0, 2500.0]
+    assert ms["unbatched"][threshold_key(50)]["tps"] == 0.0
+    assert ms["batched"][threshold_key(200)]["tps"] == 2500.0
+    assert doc["ratios"] == {"threshold_ms": 200.0, "batched_over_unbatched": 2.5, "batched_over_ceiling": 0.5}
+    assert ratios(ms, 50.0)["batched_over_unbatched"] is None  # unbatched sustained nothing
+
+
+def test_sustainable_of_no_runs() -> None:
+    assert sustainable([], 200.0)["tps"] is None
+
+
+# --- the results document ----------------------------------------------------------------------
+
+
+def test_results_document_schema() -> None:
+    doc = results_doc([record(CEILING), record(UNBATCHED), record(BATCHED)])
+    assert validate_results(doc) == []
+
+
+def test_schema_problems_are_named() -> None:
+    doc = results_doc([record(BATCHED)])
+    del doc["machine"]["cores"]
+    del doc["runs"][0]["p99_ms"]
+    doc["runs"][0]["lost"] = "none"
+    doc["max_sustainable"]["batched"].pop(threshold_key(50))
+    del doc["ratios"]["batched_over_ceiling"]
+    problems = validate_results(doc)
+    assert "machine: missing 'cores'" in problems
+    assert "runs[0]: missing 'p99_ms'" in problems
+    assert "runs[0].lost: str" in problems
+    assert "max_sustainable.batched: missing p99_under_50ms" in problems
+    assert "ratios: missing 'batched_over_ceiling'" in problems
+
+
+def test_report_and_plots(tmp_path: Path) -> None:
+    from bench.plots import plot_all
+
+    runs = [record(v, rate, p99=p99) for v in (CEILING, UNBATCHED, BATCHED) for rate, p99 in ((1000.0, 30.0), (2500.0, 90.0))]
+    sweep = run_record(BATCHED, "sweep", 2500.0, summary(2500.0, p99=70.0), worker="s")
+    sweep["variant"], sweep["batch_size"] = "sweep-16-10", 16
+    doc = results_doc([*runs, sweep])
+    text = format_report(doc)
+    assert "batched/unbatched 1.0" in text and "ceiling" in text
+    names = sorted(p.name for p in plot_all(doc, tmp_path))
+    assert names == ["lag.png", "latency_vs_rate.png", "stages.png", "sweep.png"]
+    assert all((tmp_path / n).stat().st_size > 10_000 for n in names)
+
+
+def test_plans_fit_their_budgets() -> None:
+    # Main rates as the brief asks; quick mode has no sweep.
+    assert FULL_PLAN.rates == (1000.0, 2500.0, 5000.0) and len(FULL_PLAN.sweep) == 12
+    assert QUICK_PLAN.rates == (1000.0, 2500.0) and QUICK_PLAN.sweep == ()
+    assert FULL_PLAN.deadline_s < 600 and QUICK_PLAN.deadline_s < FULL_PLAN.deadline_s
