@@ -8,8 +8,8 @@ The scorer asks twice per batch:
    transaction id, which an unauthenticated sender could use to overwrite a
    real payment's decision (see :mod:`agents.auth`).
 2. :meth:`Admission.admit` (after the decision cache missed, so a resend costs
-   no tokens and is never "replayed"): one Redis round trip for the replay
-   guard, one for the token buckets. A replay is dead-lettered; a transaction
+   no tokens and is never "replayed"): the replay guard and the token buckets,
+   asked at the same time. A replay is dead-lettered; a transaction
    over its client's or user's rate gets a ``reject`` decision with code
    ``rate_limited`` and the wait in its reason (it is authenticated, so
    answering it is safe, and the shopper is not left waiting).
@@ -21,12 +21,13 @@ refusing all payments because a limiter is down would be the bigger outage.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from agents.auth import AuthResult, ReplayGuard, replay_ttl_s, verify
-from agents.ratelimit import RateLimiter
+from agents.ratelimit import RateDecision, RateLimiter
 from agents.validate import Rejection
 
 __all__ = ["Admission"]
@@ -56,30 +57,43 @@ class Admission:
         verdicts: list[Rejection | None] = [None] * len(items)
         unavailable: list[str] = []
         signed = [i for i, (auth, *_rest) in enumerate(items) if auth.signature]
-        if self.replay is not None and signed:
-            try:
-                firsts = await self.replay.check(
-                    [(items[i][0].signature or "", items[i][1]) for i in signed], replay_ttl_s(self.window_s)
+        # NOTE: both checks go out at once (two pooled connections, one round
+        # trip of latency). A replay therefore also spends a token: replays are
+        # rare and refused anyway, and a second sequential round trip per batch
+        # would cost every transaction.
+        replay_check = self._replays(items, signed)
+        rate_check = self._rates(items)
+        firsts, rates = await asyncio.gather(replay_check, rate_check)
+        if firsts is None:
+            unavailable.append("replay_guard")
+        if rates is None:
+            unavailable.append("rate_limiter")
+        for i, first in zip(signed, firsts or []):
+            if not first:
+                verdicts[i] = Rejection(
+                    "replayed", "signature", "this signed message was already received as another record"
                 )
-            except Exception as exc:
-                log.warning("replay guard unavailable (%r): admitting the batch", exc)
-                unavailable.append("replay_guard")
-                firsts = [True] * len(signed)
-            for i, first in zip(signed, firsts):
-                if not first:
-                    verdicts[i] = Rejection(
-                        "replayed", "signature",
-                        "this signed message was already received as another record",
-                    )
-        pending = [i for i, verdict in enumerate(verdicts) if verdict is None]
-        if self.limiter is not None and pending:
-            try:
-                decisions = await self.limiter.allow([(items[i][0].client_id, items[i][3]) for i in pending])
-            except Exception as exc:
-                log.warning("rate limiter unavailable (%r): admitting the batch", exc)
-                unavailable.append("rate_limiter")
-                decisions = []
-            for i, decision in zip(pending, decisions):
-                if not decision.allowed:
-                    verdicts[i] = decision.rejection(items[i][2], items[i][3])
+        for i, decision in enumerate(rates or []):
+            if verdicts[i] is None and not decision.allowed:
+                verdicts[i] = decision.rejection(items[i][2], items[i][3])
         return verdicts, unavailable
+
+    async def _replays(self, items: Sequence[tuple[AuthResult, str, str, str]], signed: list[int]) -> list[bool] | None:
+        if self.replay is None or not signed:
+            return []
+        try:
+            return await self.replay.check(
+                [(items[i][0].signature or "", items[i][1]) for i in signed], replay_ttl_s(self.window_s)
+            )
+        except Exception as exc:
+            log.warning("replay guard unavailable (%r): admitting the batch", exc)
+            return None
+
+    async def _rates(self, items: Sequence[tuple[AuthResult, str, str, str]]) -> list[RateDecision] | None:
+        if self.limiter is None:
+            return []
+        try:
+            return await self.limiter.allow([(auth.client_id, user) for auth, _, _, user in items])
+        except Exception as exc:
+            log.warning("rate limiter unavailable (%r): admitting the batch", exc)
+            return None
