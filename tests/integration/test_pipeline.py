@@ -332,6 +332,12 @@ def _worker_env(bootstrap: str, redis_url: str, topics: Topics, registry: Path, 
         FRAUD_PARTITIONS=str(PARTITIONS),
         # These tests are about scoring; producer authentication has its own tests.
         FRAUD_ALLOW_UNSIGNED="true",
+        # NOTE: the worker, the broker, Redis and this test share 2 cores: under
+        # that contention the 50 ms model budget is missed now and then (measured:
+        # 4-7 % of decisions in a 1,000-message burst) and a decision that should
+        # be full comes back degraded. The budget is the unit tests' subject
+        # (tests/unit/test_scorer.py); here it is generous so these are exact.
+        FRAUD_MODEL_BUDGET_MS="2000",
         PYTHONUNBUFFERED="1",
         **topics.env(),
     )
@@ -483,25 +489,28 @@ def test_a_thousand_mixed_transactions_get_exactly_one_outcome_each(pipeline: Pi
     assert not problems, f"{len(problems)} messages without exactly one outcome:\n" + "\n".join(problems[:20])
 
     # Resends get the decision the original got, marked cached; originals are not cached.
+    differ = []
     for j, i in enumerate(resent):
         [first] = out.decisions_for(f"m-valid-{i}")
         [again] = out.decisions_for(f"m-resend-{j}")
         assert first["cached"] is False
-        assert again["cached"] is True, f"resend of {first['transaction_id']} was scored again"
-        assert (again["transaction_id"], again["action"], again["fraud_score"]) == (
-            first["transaction_id"], first["action"], first["fraud_score"],
-        )  # fmt: skip
-        assert again["decided_at"] == first["decided_at"]
+        assert again["transaction_id"] == first["transaction_id"]
+        if not (
+            again["cached"] is True
+            and (again["action"], again["fraud_score"], again["decided_at"])
+            == (first["action"], first["fraud_score"], first["decided_at"])
+        ):
+            differ.append(
+                f"{first['transaction_id']}: first {first['action']} {first['fraud_score']}, "
+                f"resend {again['action']} {again['fraud_score']} cached={again['cached']}"
+            )
+    assert not differ, f"{len(differ)} of {len(resent)} resends not answered as before:\n" + "\n".join(differ)
     # Nothing else was cached or degraded, and every valid decision is complete.
     originals = [out.decisions_for(f"m-valid-{i}")[0] for i in set(range(len(valid))) - set(resent)]
-    for d in originals:
-        check_full_decision(d, expect_degraded=d["degraded"])
-    # NOTE: on 2 shared cores a burst can starve the model thread past its 50 ms
-    # budget, and those batches are decided by rules (measured: 0-4 % of them).
-    # That is the designed fallback, not a lost decision; most must be full.
     degraded = Counter(w for d in originals if d["degraded"] for w in d["explanation"] if w.startswith("degraded"))
-    assert sum(degraded.values()) <= len(originals) // 4, f"degraded under a burst: {dict(degraded)}"
-    assert set(degraded) <= {"degraded: model over its 50 ms budget"}, dict(degraded)
+    assert not degraded, f"degraded under a burst: {dict(degraded)}"
+    for d in originals:
+        check_full_decision(d)
     # Unreadable messages keep their bytes in the dead-letter record.
     for i, raw in enumerate(unreadable):
         [dl] = out.dead_letters_for(f"m-unreadable-{i}")
@@ -639,3 +648,25 @@ def test_redis_outage_degrades_and_recovers(
             pipeline.worker.stop()
         for handle in handles:
             handle.stop()
+
+
+
+def test_zz_probe_resend_race(pipeline: Pipeline) -> None:
+    for gap in (33, 40, 64):
+        docs = [pipeline.make_tx() for _ in range(400)]
+        entries = [msg(d, f"r{gap}-o-{i}") for i, d in enumerate(docs)]
+        seq: list[Msg] = []
+        pending: dict[int, list[Msg]] = {}
+        for i, m in enumerate(entries):
+            seq.append(m)
+            pending.setdefault(i + gap, []).append(msg(docs[i], f"r{gap}-r-{i}"))
+            seq += pending.pop(i, [])
+        for rest in pending.values():
+            seq += rest
+        out = pipeline.run(seq, timeout=60, settle=1.0)
+        bad = []
+        for i in range(len(docs)):
+            [a], [b] = out.decisions_for(f"r{gap}-o-{i}"), out.decisions_for(f"r{gap}-r-{i}")
+            if not b["cached"]:
+                bad.append((i, a["fraud_score"], b["fraud_score"], a["decided_at"], b["decided_at"]))
+        print("RACE gap", gap, "uncached", len(bad), bad[:5])
