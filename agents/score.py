@@ -157,8 +157,10 @@ class Scorer:
         clock.lap("validate")
 
         # 2. cache: resends are answered as before and go no further
-        fresh, followers = await self._answer_from_cache(valid, out, clock, stats)
+        fresh, followers, hits = await self._answer_from_cache(valid, stats)
         clock.lap("cache")
+        for msg, tx, hit in hits:  # emitted after the lap, so their latency shows every stage so far
+            self._emit_cached(out, msg, tx, hit, clock)
 
         # 2b. admission: replays and rate limits, for what the cache did not answer
         if self.admission is not None and fresh:
@@ -276,14 +278,16 @@ class Scorer:
     async def _answer_from_cache(
         self,
         valid: list[tuple[Inbound, Transaction]],
-        out: BatchOutput,
-        clock: _Clock,
         stats: Counter[str],
-    ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
-        """Emit cached decisions; return the transactions to score and the
-        in-batch resends (with the index of the copy they follow)."""
+    ) -> tuple[
+        list[tuple[Inbound, Transaction]],
+        list[tuple[Inbound, Transaction, int]],
+        list[tuple[Inbound, Transaction, dict[str, Any]]],
+    ]:
+        """Split into the transactions to score, the in-batch resends (with the
+        index of the copy they follow) and the cache hits."""
         if not valid:
-            return [], []
+            return [], [], []
         try:
             hits = await self.cache.get_many([tx for _, tx in valid])
         except Exception as exc:
@@ -291,10 +295,11 @@ class Scorer:
             hits = [None] * len(valid)
         fresh: list[tuple[Inbound, Transaction]] = []
         followers: list[tuple[Inbound, Transaction, int]] = []
+        answered: list[tuple[Inbound, Transaction, dict[str, Any]]] = []
         first_in_batch: dict[str, int] = {}
         for (msg, tx), hit in zip(valid, hits):
             if hit is not None:
-                self._emit_cached(out, msg, tx, hit, clock)
+                answered.append((msg, tx, hit))
                 stats["cached"] += 1
                 continue
             keys = (tx.transaction_id, content_hash(tx))
@@ -305,7 +310,7 @@ class Scorer:
             for k in keys:
                 first_in_batch[k] = len(fresh)
             fresh.append((msg, tx))
-        return fresh, followers
+        return fresh, followers, answered
 
     def _emit_cached(
         self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock

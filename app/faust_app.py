@@ -38,6 +38,7 @@ __all__ = ["Runtime", "create_app"]
 log = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 5
+CACHE_WRITE_TIMEOUT_S = 0.1
 
 
 def _install_fetch_wait_setting() -> None:
@@ -174,7 +175,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     feedback = app.topic(settings.topic_feedback, **raw)
     monitoring = app.topic(settings.topic_monitoring, **raw)
     labels = app.topic(settings.topic_labels, **raw)
-    background: set[asyncio.Task[Any]] = set()
 
     # Live confirmed-fraud tally per merchant, read by the rules of every batch.
     # A GlobalTable: every worker holds all of it, since any worker may score
@@ -211,9 +211,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             await monitoring.send(value=output.monitoring)
         await asyncio.gather(*pending)
         if output.to_cache:
-            task = asyncio.create_task(scorer.cache.put_many(output.to_cache))
-            background.add(task)
-            task.add_done_callback(_log_cache_failure(background))
+            # NOTE: awaited before the next batch is taken: a resend one batch
+            # behind its original must find this decision (a fire-and-forget
+            # write raced it). Bounded, and never fails the batch.
+            try:
+                await asyncio.wait_for(scorer.cache.put_many(output.to_cache), CACHE_WRITE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
 
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
@@ -263,12 +267,3 @@ async def _deliver(emit: Any, scorer: Scorer, output: BatchOutput) -> None:
             delay *= 2
     log.critical("cannot deliver decisions; exiting without commit so the batch is redelivered")
     os._exit(75)
-
-
-def _log_cache_failure(background: set[asyncio.Task[Any]]) -> Any:
-    def done(task: asyncio.Task[Any]) -> None:
-        background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("storing decisions in the cache failed: %r", task.exception())
-
-    return done

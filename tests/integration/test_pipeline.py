@@ -649,24 +649,3 @@ def test_redis_outage_degrades_and_recovers(
         for handle in handles:
             handle.stop()
 
-
-
-def test_zz_probe_resend_race(pipeline: Pipeline) -> None:
-    for gap in (33, 40, 64):
-        docs = [pipeline.make_tx() for _ in range(400)]
-        entries = [msg(d, f"r{gap}-o-{i}") for i, d in enumerate(docs)]
-        seq: list[Msg] = []
-        pending: dict[int, list[Msg]] = {}
-        for i, m in enumerate(entries):
-            seq.append(m)
-            pending.setdefault(i + gap, []).append(msg(docs[i], f"r{gap}-r-{i}"))
-            seq += pending.pop(i, [])
-        for rest in pending.values():
-            seq += rest
-        out = pipeline.run(seq, timeout=60, settle=1.0)
-        bad = []
-        for i in range(len(docs)):
-            [a], [b] = out.decisions_for(f"r{gap}-o-{i}"), out.decisions_for(f"r{gap}-r-{i}")
-            if not b["cached"]:
-                bad.append((i, a["fraud_score"], b["fraud_score"], a["decided_at"], b["decided_at"]))
-        print("RACE gap", gap, "uncached", len(bad), bad[:5])
