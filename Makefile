@@ -10,7 +10,7 @@ DATA := data/transactions.parquet
 DEMO_RATE ?= 300
 DEMO_DURATION ?= 20
 
-.PHONY: setup demo test test-unit stack-up stack-down stack-status simulate train materialize worker loadgen clean
+.PHONY: setup demo test soak stack-up stack-down stack-status simulate train materialize clean
 
 setup: $(STAMP)
 
@@ -52,7 +52,13 @@ demo: setup
 # Unit tests, then integration tests against a real broker and Redis that the
 # fixtures start (or KAFKA_BOOTSTRAP / REDIS_URL when set) and stop.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	@mkdir -p .stack && rm -f .stack/fault-report.txt
+	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider
+
+# The fault and fuzz tests, longer (minutes): more load, longer outages.
+soak: setup
+	@mkdir -p .stack && rm -f .stack/fault-report.txt
+	FRAUD_SOAK=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_faults.py
 
 clean: stack-down
 	rm -rf .stack data

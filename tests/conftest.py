@@ -12,7 +12,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -106,3 +106,14 @@ def trained_registry(sim_frame: "pd.DataFrame", tmp_path_factory: pytest.TempPat
     registry = tmp_path_factory.mktemp("registry")
     train(sim_frame, registry, TrainConfig(rounds_scale=0.2), progress=False)
     return registry
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Show the fault tests' one-line outcomes (``FAULT name sent=… lost=…``) after the run."""
+    path = os.environ.get("FRAUD_FAULT_REPORT")
+    if path and os.path.isfile(path):
+        lines = [line.rstrip() for line in open(path) if line.startswith("FAULT ")]
+        if lines:
+            terminalreporter.section("fault tests")
+            for line in lines:
+                terminalreporter.write_line(line)
