@@ -128,6 +128,16 @@ class Scorer:
         # CPU-bound work on 2 cores.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
+    async def warm_up(self, batch_sizes: Sequence[int] = (1, 8, 32)) -> None:
+        """Predict once per size on the model thread itself, so the first real
+        batch does not pay for that thread's lazy setup (it missed the budget)."""
+        if self.model is None:
+            return
+        loop = asyncio.get_running_loop()
+        for size in batch_sizes:
+            matrix = np.zeros((size, len(FEATURE_NAMES)), dtype=np.float32)
+            await loop.run_in_executor(self._model_thread, self.model.predict, matrix)
+
     async def score_batch(self, batch: Sequence[Inbound]) -> BatchOutput:
         try:
             return await self._score(batch)

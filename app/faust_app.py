@@ -222,6 +222,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
         scorer = runtime.build_scorer(merchant_tally)
+        await scorer.warm_up()
         size, within = settings.batch_size, settings.batch_window_s
         async for events in stream.take_events(size, within=within):
             batch = [_inbound(event) for event in events]
