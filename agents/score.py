@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
 import math
 import time
@@ -47,6 +48,10 @@ __all__ = ["BatchOutput", "Inbound", "Scorer"]
 log = logging.getLogger(__name__)
 
 CORRELATION_HEADERS = ("correlation-id", "correlation_id", "x-correlation-id")
+#: What a dead letter keeps of an oversized value or header (see _kept_bytes).
+DLQ_PREFIX_BYTES = 4096
+MAX_DLQ_HEADERS = 64
+MAX_HEADER_NAME = 256
 SCORE_BINS = np.linspace(0.0, 1.0, 11)
 
 
@@ -376,8 +381,7 @@ class Scorer:
                     {
                         "error": why.to_dict(),
                         "transaction_id": why.transaction_id,
-                        "value_b64": base64.b64encode(msg.value).decode(),
-                        "headers": {k: base64.b64encode(v).decode() for k, v in msg.headers.items()},
+                        **self._kept_bytes(msg),
                         "partition": msg.partition,
                         "offset": msg.offset,
                         "rejected_at": now,
@@ -385,6 +389,26 @@ class Scorer:
                 ),
             )
         )
+
+    def _kept_bytes(self, msg: Inbound) -> dict[str, Any]:
+        """The original value and headers for the dead letter, whole when they
+        are within the message limit. NOTE: a larger value is kept as a prefix
+        plus its size and sha256: its base64 could exceed the producer's request
+        limit, the dead letter could not be produced, and the worker would stop
+        on that record again after every restart. The record itself stays in
+        ``transactions`` at the partition and offset given."""
+        value = msg.value
+        kept: dict[str, Any] = {"value_bytes": len(value)}
+        if len(value) > self.limits.max_message_bytes:
+            kept["value_sha256"] = hashlib.sha256(value).hexdigest()
+            kept["value_truncated"] = True
+            value = value[:DLQ_PREFIX_BYTES]
+        kept["value_b64"] = base64.b64encode(value).decode()
+        kept["headers"] = {
+            k[:MAX_HEADER_NAME]: base64.b64encode(v[:DLQ_PREFIX_BYTES]).decode()
+            for k, v in list(msg.headers.items())[:MAX_DLQ_HEADERS]
+        }
+        return kept
 
     def _reject_all(self, batch: Sequence[Inbound], exc: Exception) -> BatchOutput:
         out = BatchOutput()

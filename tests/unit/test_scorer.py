@@ -638,3 +638,27 @@ def test_transactions_keep_their_types_in_feedback(world: World, ensemble: Any) 
     assert feedback["transaction"]["timestamp"] == pytest.approx(
         datetime.fromisoformat(doc["timestamp"]).timestamp()
     )
+
+
+def test_an_oversized_message_leaves_a_dead_letter_small_enough_to_produce() -> None:
+    """The dead letter keeps a prefix, the size and the sha256 of a value over the
+    limit: its base64 must stay far below the producer's 1 MB request limit."""
+    import base64 as b64
+    import hashlib
+
+    from agents.validate import Limits
+
+    scorer = Scorer(
+        model=None, rules=RULES, store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(),
+        limits=Limits(max_message_bytes=64 * 1024),
+    )
+    value = b'{"transaction_id": "t-big", "pad": "' + b"x" * 800_000 + b'"}'
+    out = asyncio.run(scorer.score_batch([Inbound(value, {"h": b"y" * 100_000}, time.time(), 3, 7)]))
+    (_, letter), = out.dead_letters
+    assert len(letter) < 20_000
+    record = orjson.loads(letter)
+    assert record["error"]["code"] == "too_large"
+    assert record["value_truncated"] is True and record["value_bytes"] == len(value)
+    assert record["value_sha256"] == hashlib.sha256(value).hexdigest()
+    assert value.startswith(b64.b64decode(record["value_b64"]))
+    assert (record["partition"], record["offset"]) == (3, 7)
