@@ -7,7 +7,7 @@ PY := $(BIN)/python
 FP := $(BIN)/fraud-pipeline
 STAMP := $(VENV)/.installed
 DATA := data/transactions.parquet
-DEMO_RATE ?= 300
+DEMO_RATE ?= 100
 DEMO_DURATION ?= 20
 
 .PHONY: setup demo test soak stack-up stack-down stack-status simulate train materialize clean

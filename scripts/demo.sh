@@ -2,7 +2,7 @@
 # make demo: the whole job on one machine, real broker and Redis on loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RATE=${1:-300}
+RATE=${1:-100}
 DURATION=${2:-20}
 BIN=.venv/bin
 DATA=data/transactions.parquet
