@@ -1,0 +1,874 @@
+"""Faults against the real broker and Redis: crashes, rebalances, a Redis outage,
+a slow model, a broker that is not there yet, hostile input and producer auth.
+
+Each test prints exactly one line (``pytest -s`` shows it; it is also appended
+to the file named by ``FRAUD_FAULT_REPORT`` when set)::
+
+    FAULT <name> sent=N decided=N dead_lettered=N duplicated=N lost=N [extra=...]
+
+per message sent: ``decided`` has at least one decision, ``dead_lettered`` at
+least one dead-letter record, ``duplicated`` more than one decision (they must
+agree in action, fraud_score and model_version), ``lost`` neither.
+
+``FRAUD_SOAK=1`` runs the long variant (60 s of load at a higher rate, longer
+outages, more hostile messages); the default is the fast one for ``make test``.
+Workers run as subprocesses (``python -m app.cli worker``), each with its own
+topics and consumer group, and are stopped by PID in ``finally`` blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import os
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pandas as pd
+import pytest
+import redis
+from aiokafka.partitioner import DefaultPartitioner
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from agents.auth import sign
+from app import stack
+from app.materialize import materialize
+
+from workers import (  # tests/integration is on sys.path (pytest rootdir-relative import)
+    Collector,
+    LostMessages,
+    Msg,
+    Topics,
+    TxFactory,
+    Workers,
+    committed_offsets,
+    lost_detail,
+    make_producer,
+    report,
+    send_all,
+    send_paced,
+    tally,
+    tx_msg,
+    worker_env,
+)
+
+SOAK = os.environ.get("FRAUD_SOAK", "").strip() not in ("", "0", "false")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900 if SOAK else 150)]
+
+PARTITIONS = 8
+READY_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 60.0
+#: Load: (duration s, rate TPS). Fast: ~8 s at 150 TPS; soak: 60 s at 400 TPS.
+LOAD_S, RATE = (60.0, 400.0) if SOAK else (8.0, 150.0)
+#: After the load, how long every message may take to get its outcome.
+DRAIN_TIMEOUT_S = 120.0 if SOAK else 45.0
+
+
+# --- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def materialized(redis_url: str, sim_frame: pd.DataFrame) -> str:
+    """The session Redis holding the simulation's features (idempotent: no flush)."""
+    _materialize(sim_frame, redis_url)
+    return redis_url
+
+
+def _materialize(frame: pd.DataFrame, url: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        materialize(frame, client, progress=False)
+    finally:
+        client.close()
+
+
+@dataclass
+class Rig:
+    """One test's topics, worker environment and workers (stopped by PID at teardown)."""
+
+    bootstrap: str
+    topics: Topics
+    workers: Workers
+    make_tx: TxFactory
+    workdir: Path
+
+    def collector(self) -> Collector:
+        return Collector(self.bootstrap, self.topics, PARTITIONS)
+
+
+@pytest.fixture
+def rig_factory(
+    kafka_bootstrap: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+) -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(redis_url: str, name: str, **env: str) -> Rig:
+        topics = Topics.unique(f"ft{len(rigs)}")
+        workdir = tmp_path / f"{name}-{len(rigs)}"
+        base = worker_env(
+            bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
+            workdir=workdir, partitions=PARTITIONS, **env,
+        )  # fmt: skip
+        rig = Rig(kafka_bootstrap, topics, Workers(workdir, base), TxFactory(sim_frame, f"t-{name}-{topics.transactions[-6:]}"), workdir)
+        rigs.append(rig)
+        return rig
+
+    try:
+        yield make
+    finally:
+        for rig in rigs:
+            rig.workers.stop_all()
+
+
+async def wait_decided(rig: Rig, collector: Collector, *, timeout: float = PROBE_TIMEOUT_S) -> float:
+    """Produce one valid transaction and wait for its decision: the worker has joined
+    the group and has partitions. Returns the seconds it took."""
+    probe = tx_msg(rig.make_tx())
+    producer = make_producer(rig.bootstrap)
+    await producer.start()
+    try:
+        await send_all(producer, rig.topics.transactions, [probe])
+    finally:
+        await producer.stop()
+    assert probe.transaction_id
+    txid = probe.transaction_id
+    try:
+        return await collector.wait_for(lambda: bool(collector.by_tx.get(txid)), timeout, f"probe {txid}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{rig.workers.logs()}") from None
+
+
+def check_no_duplicate_disagrees(t: Any) -> None:
+    assert not t.mismatched, f"{len(t.mismatched)} duplicates disagree: {t.mismatched[:5]}"
+
+
+# --- kill -9 and restart ----------------------------------------------------------------------
+
+
+def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str) -> None:
+    """SIGKILL the only worker mid-stream, start another in the same group: nothing lost;
+    what was decided but not committed is decided again, identically (from the cache)."""
+    rig = rig_factory(materialized, "kill9")
+    kills = 3 if SOAK else 1
+    sent: list[Msg] = []
+    kill_walls: list[float] = []
+
+    async def scenario() -> None:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            current = rig.workers.start()
+            await current.wait_for_log("Ready", READY_TIMEOUT_S)
+            await wait_decided(rig, col)
+            producer = make_producer(rig.bootstrap)
+            await producer.start()
+            try:
+                load = asyncio.create_task(
+                    send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
+                               rate=RATE, duration=LOAD_S, sent=sent)  # fmt: skip
+                )
+                t0 = time.monotonic()
+                for k in range(kills):
+                    await asyncio.sleep(max(0.0, LOAD_S * (k + 0.4) / kills - (time.monotonic() - t0)))
+                    # The replacement must be consuming before it is killed in turn (soak).
+                    await current.wait_for_log("Ready", READY_TIMEOUT_S)
+                    before = len(col.decisions)
+                    assert before > 0
+                    kill_walls.append(time.time())
+                    current.kill9()
+                    current = rig.workers.start()
+                await load
+            finally:
+                await producer.stop()
+            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
+            t = tally(col, sent, by="transaction")
+            resumed = [
+                min((d["decided_at"] for d in col.decisions if d["decided_at"] > kw), default=math.inf) - kw
+                for kw in kill_walls
+            ]
+            cached_dups = sum(1 for m in sent if len(col.by_tx.get(m.transaction_id or "", [])) > 1
+                              and all(d["cached"] for d in col.by_tx[m.transaction_id or ""][1:]))  # fmt: skip
+            report(t.line("kill9_restart", kills=kills, resume_s=",".join(f"{r:.1f}" for r in resumed),
+                          dup_cached=cached_dups, degraded=sum(1 for d in col.decisions if d["degraded"])))  # fmt: skip
+            assert t.lost == 0, f"{lost_detail(t)}\n{rig.workers.logs()}"
+            assert t.dead_lettered == 0
+            check_no_duplicate_disagrees(t)
+            assert current.alive(), rig.workers.logs()
+
+    asyncio.run(scenario())
+
+
+# --- rebalance ----------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=False,
+    raises=LostMessages,
+    reason=(
+        "known loss on rebalance (see RELIABILITY.md): transactions read by a surviving worker just before "
+        "its partitions are revoked are never decided; the group's committed offset then either moves past "
+        "them (lost for good) or stays at the first of them while the partition is no longer consumed. "
+        "faust-streaming 0.15.3 take_events() + eager rebalance (cf. faust-streaming #216, #221, #312)"
+    ),
+)
+def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> None:
+    """Two workers on 8 partitions under load; one stops (SIGTERM), later a third joins."""
+    rig = rig_factory(materialized, "rebal")
+    sent: list[Msg] = []
+    duration = max(LOAD_S, 12.0)
+
+    async def scenario() -> None:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            a, b = rig.workers.start(), rig.workers.start()
+            await a.wait_for_log("Ready", READY_TIMEOUT_S)
+            await b.wait_for_log("Ready", READY_TIMEOUT_S)
+            await wait_decided(rig, col)
+            producer = make_producer(rig.bootstrap)
+            await producer.start()
+            try:
+                load = asyncio.create_task(
+                    send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
+                               rate=RATE, duration=duration, sent=sent)  # fmt: skip
+                )
+                t0 = time.monotonic()
+                await asyncio.sleep(duration * 0.25)
+                a.terminate()  # graceful stop by PID: faust commits what it acked
+                stopped = await asyncio.to_thread(a.proc.wait, 30)
+                await asyncio.sleep(max(0.0, duration * 0.5 - (time.monotonic() - t0)))
+                c = rig.workers.start()
+                await load
+            finally:
+                await producer.stop()
+            await c.wait_for_log("Ready", READY_TIMEOUT_S)
+            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
+            t = tally(col, sent, by="transaction")
+            report(t.line("rebalance", workers=3, stopped_rc=stopped))
+            assert t.dead_lettered == 0
+            check_no_duplicate_disagrees(t)
+            assert b.alive() and c.alive(), rig.workers.logs()
+            if t.lost:  # a LostMessages, so that only this is the known failure (xfail above)
+                committed = await committed_offsets(rig.bootstrap, rig.workers.base_env["FRAUD_APP_ID"],
+                                                    rig.topics.transactions, PARTITIONS)  # fmt: skip
+                raise LostMessages(f"{lost_detail(t, committed)}\n{rig.workers.logs(60)}")
+
+    asyncio.run(scenario())
+
+
+# --- Redis outage ----------------------------------------------------------------------------------
+
+
+def test_fault_redis_outage(
+    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path
+) -> None:
+    """Redis stopped under load: decisions continue, degraded; full decisions resume
+    within seconds of Redis returning (same port, materialized again); worker alive."""
+    port = stack.free_port()
+    handles = [stack.start_redis(port=port, workdir=tmp_path / "redis-1")]
+    url = handles[0].url
+    _materialize(sim_frame, url)
+    rig = rig_factory(url, "redis")
+    del rig.workers.base_env["FRAUD_REDIS_TIMEOUT_S"]  # the product's hot-path timeout: it is the subject
+    sent: list[Msg] = []
+    outage_s = 30.0 if SOAK else 10.0
+    lead_s, tail_s = (15.0, 15.0) if SOAK else (3.0, 7.0)
+    duration = lead_s + outage_s + tail_s
+    rate = min(RATE, 200.0) if SOAK else 100.0
+    marks: dict[str, float] = {}
+
+    async def scenario() -> None:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            worker = rig.workers.start()
+            await worker.wait_for_log("Ready", READY_TIMEOUT_S)
+            await wait_decided(rig, col)
+            producer = make_producer(rig.bootstrap)
+            await producer.start()
+            try:
+                load = asyncio.create_task(
+                    send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
+                               rate=rate, duration=duration, sent=sent)  # fmt: skip
+                )
+                await asyncio.sleep(lead_s)
+                await asyncio.to_thread(handles[0].stop)
+                marks["down"] = time.time()
+                await asyncio.sleep(outage_s)
+                marks["restarting"] = time.time()
+                handles.append(await asyncio.to_thread(stack.start_redis, port, tmp_path / "redis-2"))
+                marks["up"] = time.time()
+                await asyncio.to_thread(_materialize, sim_frame, url)
+                marks["materialized"] = time.time()
+                await load
+            finally:
+                await producer.stop()
+            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=1.0, abort=rig.workers.none_alive)
+            t = tally(col, sent, by="transaction")
+            decided = [d for m in sent for d in col.by_tx.get(m.transaction_id or "", [])[:1]]
+            in_outage = [d for d in decided if marks["down"] + 0.5 < d["decided_at"] < marks["restarting"]]
+            degraded = [d for d in decided if d["degraded"]]
+            full_after = min((d["decided_at"] for d in decided if not d["degraded"] and d["decided_at"] > marks["up"]),
+                             default=math.inf) - marks["up"]  # fmt: skip
+            # Degraded decisions still arrive promptly: from send to read, during the outage.
+            slow = [m for m in sent if marks["down"] < m.sent_at < marks["restarting"]
+                    and col.by_tx.get(m.transaction_id or "") and col.by_tx[m.transaction_id or ""][0]["_seen_at"] - m.sent_at > 5.0]  # fmt: skip
+            report(t.line("redis_outage", outage_s=f"{outage_s:.0f}", degraded=len(degraded),
+                          full_after_s=f"{full_after:.1f}", worker_alive=worker.alive()))  # fmt: skip
+            assert t.lost == 0, f"{lost_detail(t)}\n{rig.workers.logs()}"
+            assert t.dead_lettered == 0
+            check_no_duplicate_disagrees(t)
+            assert worker.alive(), rig.workers.logs()
+            assert len(in_outage) > outage_s * rate * 0.5, f"only {len(in_outage)} decisions during the outage"
+            not_degraded = [d["transaction_id"] for d in in_outage if not d["degraded"]]
+            assert not not_degraded, f"full decisions while Redis was down: {not_degraded[:5]}"
+            assert all(any(w.startswith("degraded: feature store") for w in d["explanation"]) for d in in_outage)
+            assert not slow, f"{len(slow)} degraded decisions took over 5 s"
+            assert full_after < 10.0, f"first full decision {full_after:.1f} s after Redis returned"
+            # Once Redis is back and materialized (plus 2 s), everything is full again.
+            late = [d for d in decided if d["decided_at"] > marks["materialized"] + 2.0]
+            assert late and not [d for d in late if d["degraded"]], "degraded decisions after recovery"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        rig.workers.stop_all()
+        for handle in handles:
+            handle.stop()
+
+
+# --- model over its budget (unit level) ------------------------------------------------------------
+
+
+class SlowModel:
+    """Implements the model protocol; every prediction sleeps past the budget."""
+
+    version = "slow-1"
+
+    def __init__(self, sleep_s: float) -> None:
+        self.sleep_s = sleep_s
+
+    def predict(self, matrix: Any) -> Any:
+        import numpy as np
+
+        from models.ensemble import Prediction
+
+        time.sleep(self.sleep_s)
+        return Prediction(np.full(matrix.shape[0], 0.99), [])
+
+
+def test_fault_model_budget(sim_frame: pd.DataFrame) -> None:
+    """A model slower than ``model_budget_s``: every decision degraded, and the batch
+    returns within the budget plus a small margin (the model's thread is abandoned)."""
+    from agents.cache import InMemoryDecisionCache
+    from agents.feature_store import InMemoryFeatureStore
+    from agents.rules import parse_rules
+    from agents.score import Inbound, Scorer
+
+    budget_s, sleep_s, margin_s = 0.05, 0.6, 0.25
+    scorer = Scorer(
+        model=SlowModel(sleep_s), rules=parse_rules(_rules()),
+        store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(), model_budget_s=budget_s,
+    )  # fmt: skip
+    make = TxFactory(sim_frame, "t-budget")
+    batches = [[Inbound(orjson.dumps(make()), {"correlation-id": f"b{j}-{i}".encode()}) for i in range(32)]
+               for j in range(2)]  # fmt: skip
+
+    async def run() -> list[tuple[float, Any]]:
+        out = []
+        # Two batches back to back: the second finds the model thread still busy
+        # with the first and must not wait for it either.
+        for batch in batches:
+            start = time.perf_counter()
+            result = await scorer.score_batch(batch)
+            out.append((time.perf_counter() - start, result))
+        return out
+
+    results = asyncio.run(run())
+    decisions = [orjson.loads(v) for _, r in results for _, v in r.decisions]
+    elapsed_ms = max(e for e, _ in results) * 1000
+    sent = sum(len(b) for b in batches)
+    ids = Counter(d["transaction_id"] for d in decisions)
+    line = (f"FAULT model_budget sent={sent} decided={len(ids)} dead_lettered={sum(len(r.dead_letters) for _, r in results)} "
+            f"duplicated={sum(1 for n in ids.values() if n > 1)} lost={sent - len(ids)} elapsed_ms={elapsed_ms:.0f} "
+            f"budget_ms={budget_s * 1000:.0f}")  # fmt: skip
+    report(line)
+    assert len(decisions) == sent and len(ids) == sent
+    assert all(d["degraded"] for d in decisions)
+    assert all(d["model_version"] is None for d in decisions)
+    assert all(d["explanation"][-1] == f"degraded: model over its {budget_s * 1000:.0f} ms budget" for d in decisions)
+    assert elapsed_ms < (budget_s + margin_s) * 1000, f"a batch took {elapsed_ms:.0f} ms with a {budget_s * 1000:.0f} ms budget"
+
+
+def _rules() -> dict[str, Any]:
+    from workers import RULES
+
+    return json.loads(json.dumps(RULES))
+
+
+# --- broker not there at start -------------------------------------------------------------------
+
+
+def test_fault_broker_unavailable_at_start(
+    sim_frame: pd.DataFrame, trained_registry: Path, materialized: str, tmp_path: Path
+) -> None:
+    """`worker --broker-wait 60` against a port with no broker: it warns and retries
+    (no traceback); once a broker starts on that port it becomes ready and decides."""
+    port = stack.free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    topics = Topics.unique("ftb")
+    env = worker_env(bootstrap=bootstrap, redis_url=materialized, topics=topics, registry=trained_registry,
+                     workdir=tmp_path / "w", partitions=PARTITIONS)  # fmt: skip
+    workers = Workers(tmp_path / "w", env)
+    rig = Rig(bootstrap, topics, workers, TxFactory(sim_frame, f"t-broker-{topics.transactions[-6:]}"), tmp_path)
+    broker: stack.ServiceHandle | None = None
+    try:
+        worker = workers.start(broker_wait=60)
+
+        async def before() -> float:
+            return await worker.wait_for_log("not reachable", 30.0)
+
+        warned_after = asyncio.run(before())
+        time.sleep(2.0)  # a few more retries
+        text = worker.text()
+        assert worker.alive(), worker.log()
+        assert "Traceback" not in text, text[-3000:]
+        assert "Ready" not in text
+        broker = stack.start_broker(port=port, workdir=tmp_path / "broker")
+        broker_up = time.monotonic()
+
+        async def after() -> tuple[float, float]:
+            ready = await worker.wait_for_log("Ready", READY_TIMEOUT_S)
+            async with rig.collector() as col:
+                await wait_decided(rig, col)
+            return ready, time.monotonic() - broker_up
+
+        ready_s, decided_s = asyncio.run(after())
+        text = worker.text()
+        retries = text.count("not reachable")
+        report(f"FAULT broker_unavailable_at_start sent=1 decided=1 dead_lettered=0 duplicated=0 lost=0 "
+               f"warned_after_s={warned_after:.1f} retries={retries} decided_after_broker_s={decided_s:.1f}")  # fmt: skip
+        assert "Traceback" not in text, text[-3000:]
+        assert worker.alive()
+    finally:
+        workers.stop_all()
+        if broker is not None:
+            broker.stop()
+
+
+# --- hostile input --------------------------------------------------------------------------------
+
+
+#: Field values no producer should send.
+HOSTILE_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**40), max_value=10**40),
+    st.floats(),  # NaN and ±Infinity included: written as NaN / Infinity text (not JSON)
+    st.sampled_from([0, -0.0, -1, 1e-320, 1e9, 1e9 + 1, 1e308, 5e-324, 10**19]),
+    st.text(max_size=40),
+    st.sampled_from([
+        "9999-12-31T23:59:59Z", "9999-12-31T23:59:59.999999+14:00", "0001-01-01T00:00:00+00:00",
+        "2026-13-45T99:99:99Z", "1970-01-01T00:00:00Z", "now", "", " ", "\u202e\u0000", "\ud800",
+        "\ufeff", "𝕏" * 30, "e\u0301" * 20, "\u200d" * 10, "NaN", "Infinity",
+    ]),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+FIELDS = ("transaction_id", "user_id", "amount", "currency", "merchant_id", "merchant_category",
+          "device_id", "lat", "lon", "country", "timestamp")  # fmt: skip
+#: Sizes around the 64 KiB limit and up to what a producer with default settings
+#: sends (1 MiB per request; test_fault_oversized_message goes beyond it).
+BIG_SIZES = (64 * 1024 - 200, 64 * 1024 + 1, 100_000, 300_000, 700_000, 1_000_000)
+HEADER_NAMES = st.one_of(
+    st.text(min_size=1, max_size=20).filter(lambda s: s != "correlation-id"),
+    st.sampled_from(["client-id", "signed-at", "signature", "correlation_id", "x-correlation-id", "", "\u0000"]),
+)
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A small description of one hostile message; :func:`build` makes its bytes.
+
+    ``params`` depend on ``kind``: raw ``(bytes,)``; fields ``(dict,)`` merged into a
+    valid transaction; nested ``(depth, style)``; big ``(size, field, fill)``; json
+    ``(any JSON value,)``; amount ``(value,)``.
+    """
+
+    kind: str
+    params: tuple[Any, ...]
+    headers: tuple[tuple[str, bytes], ...] = ()
+    keyed: bool = True
+
+
+_headers = st.lists(st.tuples(HEADER_NAMES, st.binary(max_size=40)), max_size=4).map(tuple)
+_any_json = st.recursive(
+    st.none() | st.booleans() | st.floats() | st.text(max_size=10) | st.integers(),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+    max_leaves=20,
+)
+
+
+def _spec(kind: str, params: st.SearchStrategy[tuple[Any, ...]]) -> st.SearchStrategy[Hostile]:
+    return st.builds(Hostile, kind=st.just(kind), params=params, headers=_headers, keyed=st.booleans())
+
+
+hostile_specs = st.one_of(
+    _spec("raw", st.tuples(st.binary(max_size=300))),
+    _spec("fields", st.tuples(st.dictionaries(st.sampled_from(FIELDS), HOSTILE_VALUES, min_size=1, max_size=3))),
+    _spec("nested", st.tuples(st.integers(min_value=1, max_value=40_000), st.sampled_from(["list", "object", "inside"]))),
+    _spec("big", st.tuples(st.sampled_from(BIG_SIZES), st.sampled_from((*FIELDS, "padding")),
+                           st.sampled_from(["x", "\u00e9", "\u20ac", "\U0001f4b3", "\\", '"']))),  # fmt: skip
+    _spec("json", st.tuples(_any_json)),
+    _spec("amount", st.tuples(st.sampled_from(
+        [0, -0.0, -12.5, 1e-9, 5e-324, 1e9, 1e9 + 0.01, float("nan"), float("inf"), float("-inf"), 10**30, "12.00", True]
+    ))),
+)
+
+#: Named cases every run includes (Hypothesis runs ``@example`` cases first).
+EXPLICIT = [
+    Hostile("raw", (b"",)),
+    Hostile("raw", (b"\xff\xfe\x00garbage",)),
+    Hostile("raw", (b'{"transaction_id": "raw-nan", "amount": NaN}',)),
+    Hostile("raw", (b'{"transaction_id": "raw-big", "user_id": "u", "merchant_id": "m", "amount": 1e400, '
+                    b'"timestamp": "2026-01-01T00:00:00Z"}',)),  # fmt: skip
+    Hostile("raw", (b'{"a": 1, "a": 2}',)),
+    Hostile("amount", (float("nan"),)),
+    Hostile("amount", (float("inf"),)),
+    Hostile("amount", (float("-inf"),)),
+    Hostile("amount", (0,)),
+    Hostile("amount", (-5,)),
+    Hostile("amount", (10**30,)),
+    Hostile("amount", ("12.00",)),
+    Hostile("fields", ({"timestamp": "9999-12-31T23:59:59Z"},)),
+    Hostile("fields", ({"timestamp": "2026-06-01T12:00:00"},)),  # no time zone
+    Hostile("fields", ({"timestamp": 1_800_000_000},)),
+    Hostile("fields", ({"transaction_id": "t-\u202e\u0000"},)),
+    Hostile("fields", ({"transaction_id": "\ud800"},)),
+    Hostile("fields", ({"user_id": 12345},)),
+    Hostile("fields", ({"lat": 91.0},)),
+    Hostile("fields", ({"currency": "XBT"},)),
+    Hostile("fields", ({"merchant_category": "\U0001f4b3" * 20, "country": "\u0000"},)),
+    Hostile("nested", (100_000, "list")),  # over 64 KiB
+    Hostile("nested", (5_000, "object")),
+    Hostile("nested", (3_000, "inside")),
+    Hostile("big", (700_000, "padding", "x")),
+    Hostile("big", (1_000_000, "padding", "x")),  # its whole value in a DLQ record would not fit
+    Hostile("big", (300_000, "merchant_category", "\U0001f4b3")),
+    Hostile("json", ([1, 2, 3],)),
+    Hostile("json", ("a string",)),
+    Hostile("json", (None,)),
+    Hostile("fields", ({},), headers=(("client-id", b"someone"),)),  # one auth header: must verify
+    Hostile("fields", ({},), headers=(("signature", b"0" * 64), ("signed-at", b"-1"), ("\u0000", b"\x00"))),
+    Hostile("fields", ({},), headers=(("x-correlation-id", b"spoof"), ("correlation_id", b"\xff" * 40))),
+]
+
+
+def build(spec: Hostile, i: int, make: TxFactory) -> Msg:
+    """The message ``spec`` describes, with correlation id ``h-<i>``."""
+    base = make(transaction_id=f"h-{i:05d}-{make.prefix}")
+    if spec.kind == "raw":
+        value = spec.params[0]
+    elif spec.kind == "fields":
+        value = _dumps({**base, **spec.params[0]})
+    elif spec.kind == "nested":
+        depth, style = spec.params
+        opener, closer = ("[", "]") if style == "list" else ('{"a":', "}")
+        value = (opener * depth + "1" + closer * depth).encode()
+        if style == "inside":  # nested inside an otherwise valid transaction
+            value = _dumps(base)[:-1] + b',"extra":' + value + b"}"
+    elif spec.kind == "big":
+        size, name, fill = spec.params
+        per = len(json.dumps(fill, ensure_ascii=False).encode()) - 2  # '"' and '\\' take 2 bytes in JSON
+        value = _dumps({**base, name: fill * (size // per)})
+    elif spec.kind == "json":
+        value = _dumps(spec.params[0])
+    else:  # amount
+        value = _dumps({**base, "amount": spec.params[0]})
+    key = f"h-key-{i}".encode() if spec.keyed else None
+    return Msg(key=key, value=value, correlation=f"h-{i:05d}", headers=list(spec.headers), transaction_id=None)
+
+
+def _dumps(doc: Any) -> bytes:
+    # json (not orjson): big integers and NaN/Infinity become text a parser must refuse;
+    # ensure_ascii=False keeps raw unicode (lone surrogates are written escaped).
+    try:
+        return json.dumps(doc, allow_nan=True, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(doc, allow_nan=True, ensure_ascii=True).encode("utf-8")
+
+
+def hostile_corpus(n: int) -> list[Hostile]:
+    """The :data:`EXPLICIT` cases plus ``n`` from a real Hypothesis run (derandomized:
+    the same corpus every time).
+
+    NOTE: not ``.example()`` (meant for interactive use; it warns and does not draw
+    the way ``@given`` does) and not one worker per example (seconds each). An inner
+    ``@given`` function is *run*, collecting what it is given, so the corpus is what
+    a Hypothesis test of ``n`` examples sees; the messages then go through one
+    worker together. Shrinking is not available this way: the pure validator has
+    shrinking fuzz tests of its own (tests/unit/test_validate_fuzz.py); this test is
+    about the pipeline around it (headers, sizes, the broker, the DLQ, liveness).
+    """
+    corpus: list[Hostile] = []
+
+    def collect(spec: Hostile) -> None:
+        corpus.append(spec)
+
+    for case in reversed(EXPLICIT):
+        collect = example(case)(collect)
+    runner = settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))(given(hostile_specs)(collect))  # fmt: skip
+    runner()
+    return corpus
+
+
+def partition_of(key: bytes, partitions: int = PARTITIONS) -> int:
+    every = list(range(partitions))
+    return int(DefaultPartitioner()(key, every, every))
+
+
+def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str) -> None:
+    """A few hundred hostile messages (unsigned), then valid transactions on every
+    partition: one outcome per message, no crash, nothing blocked behind the poison."""
+    rig = rig_factory(materialized, "hostile")
+    corpus = hostile_corpus(1500 if SOAK else 250)
+    messages = [build(spec, i, rig.make_tx) for i, spec in enumerate(corpus)]
+    # Valid transactions after the poison, at least two on every partition.
+    valid: list[Msg] = []
+    covered: Counter[int] = Counter()
+    while min(covered[p] for p in range(PARTITIONS)) < 2:
+        m = tx_msg(rig.make_tx(), f"v-{len(valid):04d}")
+        covered[partition_of(m.key or b"")] += 1
+        valid.append(m)
+    biggest = max(len(m.value) for m in messages)
+
+    async def scenario() -> None:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            worker = rig.workers.start()
+            await worker.wait_for_log("Ready", READY_TIMEOUT_S)
+            await wait_decided(rig, col)
+            producer = make_producer(rig.bootstrap)  # aiokafka defaults: max_request_size 1 MiB
+            await producer.start()
+            try:
+                results = await send_all(producer, rig.topics.transactions, messages)
+                refused = [(m.correlation, r) for m, r in zip(messages, results) if isinstance(r, BaseException)]
+                assert not refused, f"producer refused {len(refused)}: {refused[:3]}"
+                await send_all(producer, rig.topics.transactions, valid)
+            finally:
+                await producer.stop()
+            everything = messages + valid
+            await col.wait_all(everything, DRAIN_TIMEOUT_S, settle=2.0, abort=rig.workers.none_alive)
+
+            t = tally(col, everything)
+            problems = []
+            for m in everything:
+                ds, dl = col.by_corr.get(m.correlation, []), col.dlq_by_corr.get(m.correlation, [])
+                if len(ds) > 1 or len(dl) > 1:
+                    problems.append(f"{m.correlation}: {len(ds)} decisions, {len(dl)} dead letters")
+                elif ds and ds[0]["action"] == "reject" and len(dl) != 1:
+                    problems.append(f"{m.correlation}: reject decision without its dead letter")
+                elif ds and ds[0]["action"] != "reject" and dl:
+                    problems.append(f"{m.correlation}: decided {ds[0]['action']} and dead-lettered")
+            for m in valid:
+                ds = col.by_corr.get(m.correlation, [])
+                if not ds or ds[0]["action"] == "reject" or ds[0]["degraded"]:
+                    problems.append(f"valid {m.correlation}: {ds[:1]}")
+            codes = Counter(d["error"]["code"] for d in col.dead_letters)
+            kinds = Counter(s.kind for s in corpus)
+            report(t.line("hostile_input", hostile=len(messages), valid_after=len(valid), biggest_bytes=biggest,
+                          codes="/".join(f"{k}:{v}" for k, v in sorted(codes.items()))))  # fmt: skip
+            assert t.lost == 0, f"lost {t.lost}: {t.lost_ids[:10]}\n{worker.log()}"
+            assert not problems, f"{len(problems)} messages without exactly one outcome:\n" + "\n".join(problems[:20])
+            assert "internal_error" not in codes, [d for d in col.dead_letters if d["error"]["code"] == "internal_error"][:2]
+            assert worker.alive(), worker.log()
+            assert "Traceback" not in worker.text(), worker.text()[-4000:]
+            assert set(kinds) == {"raw", "fields", "nested", "big", "json", "amount"}, kinds
+            for code in ("bad_json", "not_an_object", "wrong_type", "out_of_range", "too_large",
+                         "timestamp_out_of_window", "bad_timestamp", "unauthenticated"):  # fmt: skip
+                assert codes[code], f"the corpus produced no {code}: {codes}"
+
+    asyncio.run(scenario())
+
+
+def test_fault_oversized_message(rig_factory: Callable[..., Rig], materialized: str) -> None:
+    """Messages far over FRAUD_MAX_MESSAGE_BYTES: 800 kB (a default producer's 1 MiB
+    allows it) and 3 MB (a producer configured for more; the local broker takes any
+    size) are dead-lettered as too_large with a bounded record, the worker lives, and
+    a valid transaction behind them on the same partition is decided.
+
+    Before commit 2e7ee64 the dead letter held the whole value in base64: over faust's
+    1,000,000-byte request limit, so the worker exited (75) on that record after every
+    restart.
+    """
+    rig = rig_factory(materialized, "oversize")
+    after = tx_msg(rig.make_tx(user_id=rig.make_tx.people[0]["user_id"]), "after-1")
+    big = tx_msg(rig.make_tx(padding="x" * 800_000), "big-1")
+    huge = tx_msg(rig.make_tx(padding="y" * 3_000_000), "huge-1")
+    big.key = huge.key = after.key  # one partition: the valid one waits behind both
+
+    async def scenario() -> None:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            worker = rig.workers.start()
+            await worker.wait_for_log("Ready", READY_TIMEOUT_S)
+            await wait_decided(rig, col)
+            producer = make_producer(rig.bootstrap, max_request_size=8 * 1024 * 1024)
+            await producer.start()
+            try:
+                results = await send_all(producer, rig.topics.transactions, [big, huge, after])
+                assert not [r for r in results if isinstance(r, BaseException)], results
+            finally:
+                await producer.stop()
+            await col.wait_all([big, huge, after], 40.0, settle=1.0, abort=rig.workers.none_alive)
+            t = tally(col, [big, huge, after])
+            dls = [d for m in (big, huge) for d in col.dlq_by_corr.get(m.correlation, [])]
+            report(t.line("oversized_message", bytes=f"{len(big.value)},{len(huge.value)}",
+                          dlq_record_bytes=",".join(str(len(orjson.dumps(d))) for d in dls),
+                          worker_alive=worker.alive()))  # fmt: skip
+            assert worker.alive(), worker.log()
+            assert t.lost == 0, lost_detail(t)
+            for m in (big, huge):
+                [dl] = col.dlq_by_corr[m.correlation]
+                assert dl["error"]["code"] == "too_large"
+                assert not col.by_corr.get(m.correlation)  # too large to read an id from
+                assert dl["value_truncated"] is True and dl["value_bytes"] == len(m.value)
+                assert dl["value_sha256"] == hashlib.sha256(m.value).hexdigest()
+                assert m.value.startswith(base64.b64decode(dl["value_b64"]))
+                assert len(orjson.dumps(dl)) < 64 * 1024
+            [d] = col.by_corr["after-1"]
+            assert d["action"] != "reject" and not d["degraded"], d
+
+    asyncio.run(scenario())
+
+
+# --- producer authentication ---------------------------------------------------------------------
+
+
+def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
+    """With FRAUD_CLIENT_KEYS set (unsigned not allowed): signed messages are decided;
+    unsigned, tampered, wrong-key, unknown-client and stale ones are dead-lettered
+    with no decision; a replay of a decided message is answered from the cache."""
+    key = secrets.token_bytes(32)
+    client = "fault-client"
+    rig = rig_factory(materialized, "auth", FRAUD_CLIENT_KEYS=f"{client}:{key.hex()}", FRAUD_ALLOW_UNSIGNED="false")
+    make = rig.make_tx
+
+    def signed(doc: dict[str, Any], corr: str, *, as_client: str = client, with_key: bytes = key,
+               at_ms: int | None = None, tamper: bool = False) -> Msg:  # fmt: skip
+        m = tx_msg(doc, corr)
+        headers = sign(m.value, as_client, with_key, at_ms if at_ms is not None else int(time.time() * 1000))
+        if tamper:  # the value changes after signing: amount 10x
+            m.value = orjson.dumps({**doc, "amount": doc["amount"] * 10})
+        m.headers = list(headers.items())
+        return m
+
+    n = 40 if SOAK else 20
+    good = [signed(make(), f"a-good-{i}") for i in range(n)]
+    bad = {
+        "unsigned": [tx_msg(make(), f"a-unsigned-{i}") for i in range(5)],
+        "tampered": [signed(make(), f"a-tampered-{i}", tamper=True) for i in range(5)],
+        "wrong_key": [signed(make(), f"a-wrongkey-{i}", with_key=secrets.token_bytes(32)) for i in range(5)],
+        "unknown_client": [signed(make(), f"a-unknown-{i}", as_client="intruder", with_key=secrets.token_bytes(32))
+                           for i in range(5)],  # fmt: skip
+        "stale": [signed(make(), f"a-stale-{i}", at_ms=int((time.time() - 3600) * 1000)) for i in range(5)],
+    }
+    expected = {"unsigned": "unauthenticated", "tampered": "bad_signature", "wrong_key": "bad_signature",
+                "unknown_client": "unauthenticated", "stale": "stale_signature"}  # fmt: skip
+    refused = [m for ms in bad.values() for m in ms]
+    rng = random.Random(7)
+    first = good + refused
+    rng.shuffle(first)
+    replayed_of = good[0]
+    outcome: dict[str, Any] = {}  # what the scenario leaves for the checks
+
+    async def scenario() -> None:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            worker = rig.workers.start()
+            await worker.wait_for_log("Ready", READY_TIMEOUT_S)
+            producer = make_producer(rig.bootstrap)
+            await producer.start()
+            try:
+                # The probe must be signed too.
+                probe = signed(make(), "a-probe")
+                await send_all(producer, rig.topics.transactions, [probe])
+                await col.wait_for(lambda: bool(col.by_corr.get("a-probe")), PROBE_TIMEOUT_S, "signed probe")
+                await send_all(producer, rig.topics.transactions, first)
+                await col.wait_all(first, DRAIN_TIMEOUT_S, settle=1.0, abort=rig.workers.none_alive)
+                outcome["tally"] = tally(col, first)
+                # Replay: the same bytes and headers as a decided message, as a new record.
+                txid = replayed_of.transaction_id or ""
+                assert len(col.by_tx[txid]) == 1
+                await send_all(producer, rig.topics.transactions, [replayed_of])
+                await col.wait_for(
+                    lambda: len(col.by_tx[txid]) > 1 or len(col.dlq_by_corr.get(replayed_of.correlation, [])) > 0,
+                    30.0, "the replay's outcome",
+                )  # fmt: skip
+                # In flight: a new signed message and its copy back to back (same partition).
+                fresh = signed(make(), "a-inflight")
+                await send_all(producer, rig.topics.transactions, [fresh, fresh])
+                fid = fresh.transaction_id or ""
+                await col.wait_for(
+                    lambda: len(col.by_tx[fid]) + len(col.dlq_by_corr.get(fresh.correlation, [])) >= 2,
+                    30.0, "the in-flight copy's outcome",
+                )  # fmt: skip
+                await asyncio.sleep(1.0)
+            finally:
+                await producer.stop()
+            t = outcome["tally"]
+            replay = col.by_tx[txid][1:] or col.dlq_by_corr.get(replayed_of.correlation, [])
+            how = "cached" if replay and "action" in replay[0] else ("replayed" if replay else "none")
+            inflight_dl = col.dlq_by_corr.get(fresh.correlation, [])
+            inflight = [d["error"]["code"] for d in inflight_dl] or [
+                "cached" if d["cached"] else "scored" for d in col.by_tx[fid]
+            ]
+            codes = Counter(d["error"]["code"] for d in col.dead_letters)
+            report(t.line("auth", signed=len(good), refused=len(refused), replay=how,
+                          inflight_copy="+".join(inflight),
+                          codes="/".join(f"{k}:{v}" for k, v in sorted(codes.items()))))  # fmt: skip
+            assert t.lost == 0, t.lost_ids
+            for m in good:
+                d, *copies = col.by_corr[m.correlation]  # the replayed one has its copy's answer too
+                assert len(copies) == (m is replayed_of), (m.correlation, copies)
+                assert d["action"] in ("approve", "review", "decline") and not d["degraded"], d
+                assert not col.dlq_by_corr.get(m.correlation)
+            for kind, ms in bad.items():
+                for m in ms:
+                    assert not col.by_tx.get(m.transaction_id or ""), f"{kind} {m.correlation} got a decision"
+                    [dl] = col.dlq_by_corr[m.correlation]
+                    assert dl["error"]["code"] == expected[kind], (kind, dl["error"])
+                    assert dl["transaction_id"] is None and dl["_key"] is None
+                    assert base64.b64decode(dl["value_b64"]) == m.value
+            # NOTE: the cache is consulted before the replay guard (agents/score.py), so
+            # a copy of a *decided* message gets that decision again, marked cached, and
+            # no `replayed` dead letter; the guard covers copies the cache cannot answer.
+            [again] = replay
+            [original] = col.by_corr[replayed_of.correlation][:1]
+            assert how == "cached", replay
+            assert again["cached"] is True
+            assert (again["action"], again["fraud_score"], again["model_version"], again["decided_at"]) == (
+                original["action"], original["fraud_score"], original["model_version"], original["decided_at"])
+            assert worker.alive(), worker.log()
+            text = worker.text()
+            assert key.hex() not in text and base64.b64encode(key).decode() not in text, "a key was logged"
+            assert "ClientKeys(['fault-client'])" in text
+            # The in-flight copy: one decision for the payment, and the copy is either
+            # answered from the batch (cached) or refused as replayed; never scored twice.
+            [first_answer, *rest] = col.by_tx[fid]
+            assert first_answer["cached"] is False and first_answer["action"] != "reject"
+            assert (len(rest), len(inflight_dl)) in ((1, 0), (0, 1)), (rest, inflight_dl)
+            assert all(d["cached"] for d in rest)
+            assert all(d["error"]["code"] == "replayed" for d in inflight_dl)
+
+    asyncio.run(scenario())

@@ -1,0 +1,581 @@
+"""Helpers for tests that drive real `fraud-pipeline worker` processes.
+
+Used by ``test_faults.py``: worker subprocesses started and stopped by PID,
+paced producers of signed or unsigned messages, and a background collector
+that reads ``decisions`` and the dead-letter topic from offset 0 and indexes
+them by transaction id and by correlation id, so a test can count outcomes
+per message (decided, dead-lettered, duplicated, lost).
+
+Everything here is bounded in time: every wait has a deadline and raises an
+``AssertionError`` that says what it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pandas as pd
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from app import stack
+from app.settings import Settings
+from app.topics import ensure_topics, topic_partitions
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Rules for the worker under test: the defaults, with a blocked device.
+RULES = {
+    "version": "rules-faults-1",
+    "thresholds": {"review": 0.5, "decline": 0.9},
+    "force_review_amount_usd": 10000,
+    "degraded_review_amount_usd": 1000,
+    "allow": {"user_id": [], "device_id": [], "merchant_id": []},
+    "block": {"user_id": [], "device_id": ["d-blocked-faults"], "merchant_id": []},
+}
+
+
+def iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# --- transactions --------------------------------------------------------------------
+
+
+class TxFactory:
+    """Valid transactions for the simulated population, each with distinct content
+    (id, amount and millisecond timestamp), so the decision cache never matches
+    two of them by accident."""
+
+    def __init__(self, frame: pd.DataFrame, prefix: str) -> None:
+        last = frame.sort_values("timestamp").drop_duplicates("user_id", keep="last")
+        self.people = [
+            {
+                "user_id": r.user_id,
+                "merchant_id": r.merchant_id,
+                "merchant_category": r.merchant_category,
+                "device_id": r.device_id,
+                "lat": float(r.lat),
+                "lon": float(r.lon),
+                "country": r.country,
+                "currency": r.currency,
+            }
+            for r in last.itertuples()
+        ]
+        self.prefix = prefix
+        self.seq = 0
+
+    def __call__(self, **over: Any) -> dict[str, Any]:
+        self.seq += 1
+        person = self.people[self.seq % len(self.people)]
+        doc: dict[str, Any] = {
+            "transaction_id": f"{self.prefix}-{self.seq:06d}",
+            **person,
+            "amount": round(5 + (self.seq * 7.31) % 180, 2),
+            "timestamp": iso(time.time() - 0.5 - (self.seq % 1000) * 0.001),
+        }
+        doc.update(over)
+        return doc
+
+
+@dataclass
+class Msg:
+    """One message to produce. ``correlation`` is unique per message and names its outcome."""
+
+    key: bytes | None
+    value: bytes
+    correlation: str
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    transaction_id: str | None = None
+    sent_at: float = 0.0
+    """time.time() when it was enqueued (set by :func:`send_paced`)."""
+    partition: int | None = None
+    offset: int | None = None
+    """Where the broker put it (set by :func:`send_paced` once delivered)."""
+
+    def all_headers(self) -> list[tuple[str, bytes]]:
+        return [("correlation-id", self.correlation.encode()), *self.headers]
+
+
+def tx_msg(doc: dict[str, Any], correlation: str | None = None, headers: Sequence[tuple[str, bytes]] = ()) -> Msg:
+    txid = doc.get("transaction_id")
+    user = doc.get("user_id")
+    return Msg(
+        key=user.encode() if isinstance(user, str) else None,
+        value=orjson.dumps(doc),
+        correlation=correlation or f"c-{txid}",
+        headers=list(headers),
+        transaction_id=txid if isinstance(txid, str) else None,
+    )
+
+
+# --- topics ------------------------------------------------------------------------------
+
+
+@dataclass
+class Topics:
+    transactions: str
+    decisions: str
+    dlq: str
+    feedback: str
+    monitoring: str
+    labels: str
+
+    @classmethod
+    def unique(cls, tag: str = "ft") -> Topics:
+        suffix = uuid.uuid4().hex[:10]
+        return cls(*(f"{tag}-{name}-{suffix}" for name in ("tx", "dec", "dlq", "fb", "mon", "lab")))
+
+    def env(self) -> dict[str, str]:
+        return {
+            "FRAUD_TOPIC_TRANSACTIONS": self.transactions,
+            "FRAUD_TOPIC_DECISIONS": self.decisions,
+            "FRAUD_TOPIC_DLQ": self.dlq,
+            "FRAUD_TOPIC_FEEDBACK": self.feedback,
+            "FRAUD_TOPIC_MONITORING": self.monitoring,
+            "FRAUD_TOPIC_LABELS": self.labels,
+        }
+
+    def settings(self, bootstrap: str, partitions: int) -> Settings:
+        return Settings(
+            kafka_bootstrap=bootstrap,
+            partitions=partitions,
+            topic_transactions=self.transactions,
+            topic_decisions=self.decisions,
+            topic_dlq=self.dlq,
+            topic_feedback=self.feedback,
+            topic_monitoring=self.monitoring,
+            topic_labels=self.labels,
+        )
+
+    async def create(self, bootstrap: str, partitions: int) -> dict[str, int]:
+        """Create the topics up front (the local broker would auto-create them with 4 partitions)."""
+        return await ensure_topics(self.settings(bootstrap, partitions), wait_s=20.0)
+
+    def partition_counts(self, partitions: int) -> dict[str, int]:
+        return topic_partitions(self.settings("unused:0", partitions))
+
+
+# --- workers -------------------------------------------------------------------------------
+
+
+def worker_env(
+    *,
+    bootstrap: str,
+    redis_url: str,
+    topics: Topics,
+    registry: Path,
+    workdir: Path,
+    app_id: str | None = None,
+    partitions: int = 8,
+    **extra: str,
+) -> dict[str, str]:
+    """The environment of a worker under test: nothing ``FRAUD_*`` leaks in from the caller."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    rules = workdir / "rules.json"
+    rules.write_text(json.dumps(RULES))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FRAUD_")}
+    env.update(
+        KAFKA_BOOTSTRAP=bootstrap,
+        REDIS_URL=redis_url,
+        FRAUD_APP_ID=app_id or f"ft-worker-{uuid.uuid4().hex[:10]}",
+        FRAUD_REGISTRY_DIR=str(registry),
+        FRAUD_RULES_PATH=str(rules),
+        FRAUD_PARTITIONS=str(partitions),
+        FRAUD_ALLOW_UNSIGNED="true",
+        # NOTE: worker, broker, Redis, load and collector share 2 cores: the 50 ms
+        # budget is missed now and then, and a redelivered transaction could then
+        # be decided degraded once and fully once. The budget has its own test
+        # (test_fault_model_budget); here it is generous so duplicates compare exactly.
+        FRAUD_MODEL_BUDGET_MS="2000",
+        # Likewise Redis: the 50 ms hot-path timeout is missed under this contention
+        # now and then, which degrades a batch. Tests of the outage itself keep the default.
+        FRAUD_REDIS_TIMEOUT_S="0.5",
+        # Rate limits are not the subject: a 300-user population at 150+ TPS would
+        # otherwise see rate_limited rejects that are not cached.
+        FRAUD_RATE_USER_PER_S="1000",
+        FRAUD_RATE_USER_BURST="1000",
+        PYTHONUNBUFFERED="1",
+        **topics.env(),
+    )
+    env.update(extra)
+    return env
+
+
+class WorkerProc:
+    """`fraud-pipeline worker` as a subprocess, signalled only by its own PID."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, *, broker_wait: float | None = None) -> None:
+        self.log_path = log_path
+        self.port = stack.free_port()
+        argv = [sys.executable, "-m", "app.cli", "worker", "--web-port", str(self.port), "--loglevel", "info"]
+        if broker_wait is not None:
+            argv += ["--broker-wait", str(broker_wait)]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.started = time.monotonic()
+        self.terminated = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log(self, lines: int = 40) -> str:
+        return "\n".join(self.text().splitlines()[-lines:])
+
+    async def wait_for_log(self, needle: str, timeout: float) -> float:
+        """Seconds until ``needle`` appeared in the log."""
+        start = time.monotonic()
+        while needle not in self.text():
+            if not self.alive():
+                raise AssertionError(f"worker {self.pid} exited ({self.proc.returncode}) before {needle!r}:\n{self.log()}")
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"worker {self.pid} not {needle!r} after {timeout:.0f} s:\n{self.log()}")
+            await asyncio.sleep(0.1)
+        return time.monotonic() - start
+
+    def kill9(self) -> None:
+        """SIGKILL by PID: no shutdown, no commit, no flush."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def terminate(self) -> None:
+        """SIGTERM by PID (a graceful stop), once; does not wait."""
+        if self.alive() and not self.terminated:
+            os.kill(self.pid, signal.SIGTERM)
+            self.terminated = True
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (unless sent already), wait up to ``timeout`` s, then SIGKILL.
+        A no-op if it has exited."""
+        if not self.alive():
+            return
+        self.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if self.alive():
+                os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    async def stop_async(self, timeout: float = 15.0) -> None:
+        await asyncio.to_thread(self.stop, timeout)
+
+
+class Workers:
+    """Every worker a test starts; :meth:`stop_all` (in a ``finally``) stops each by PID."""
+
+    def __init__(self, workdir: Path, base_env: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.base_env = base_env
+        self.started: list[WorkerProc] = []
+
+    def start(self, *, broker_wait: float | None = None, **env: str) -> WorkerProc:
+        n = len(self.started) + 1
+        merged = {**self.base_env, "FRAUD_DATA_DIR": str(self.workdir / f"faust-{n}"), **env}
+        worker = WorkerProc(merged, self.workdir / f"worker-{n}.log", broker_wait=broker_wait)
+        self.started.append(worker)
+        return worker
+
+    def stop_all(self) -> None:
+        """SIGTERM every live worker at once, then wait for each (SIGKILL after 15 s)."""
+        for worker in self.started:
+            worker.terminate()
+        for worker in self.started:
+            try:
+                worker.stop()
+            except Exception:  # keep stopping the others
+                if worker.alive():
+                    os.kill(worker.pid, signal.SIGKILL)
+
+    def none_alive(self) -> bool:
+        return not any(w.alive() for w in self.started)
+
+    def logs(self, lines: int = 30) -> str:
+        return "\n".join(f"--- worker {w.pid} ({w.log_path.name}) ---\n{w.log(lines)}" for w in self.started)
+
+
+# --- producing -----------------------------------------------------------------------------------
+
+
+def make_producer(bootstrap: str, **options: Any) -> AIOKafkaProducer:
+    return AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, **options)
+
+
+async def send_all(producer: AIOKafkaProducer, topic: str, messages: Iterable[Msg]) -> list[Any]:
+    """Enqueue every message, then await every delivery; returns the record metadata
+    (or the exception, for a message the producer or broker refused)."""
+    futures = []
+    for m in messages:
+        try:
+            futures.append(await producer.send(topic, m.value, key=m.key, headers=m.all_headers()))
+        except Exception as exc:  # refused by the client before it left (e.g. too large)
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut.set_exception(exc)
+            futures.append(fut)
+    return await asyncio.gather(*futures, return_exceptions=True)
+
+
+async def send_paced(
+    producer: AIOKafkaProducer,
+    topic: str,
+    make: Callable[[int], Msg],
+    *,
+    rate: float,
+    duration: float,
+    sent: list[Msg],
+) -> None:
+    """Open-loop load: message ``i`` goes out at ``start + i / rate`` until ``duration``.
+
+    Appends each message to ``sent`` as it is enqueued (so a test sees what went
+    out even if it is cancelled), then awaits every delivery.
+    """
+    start = time.monotonic()
+    futures = []
+    i = 0
+    while True:
+        now = time.monotonic()
+        if now - start >= duration:
+            break
+        due = int((now - start) * rate) + 1
+        while i < due:
+            m = make(i)
+            m.sent_at = time.time()
+            futures.append(await producer.send(topic, m.value, key=m.key, headers=m.all_headers()))
+            sent.append(m)
+            i += 1
+        await asyncio.sleep(0.01)
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    for m, r in zip(sent[len(sent) - len(results):], results):
+        if not isinstance(r, BaseException):
+            m.partition, m.offset = r.partition, r.offset
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of {len(results)} load messages not delivered to the broker: {failed[:3]}"
+
+
+# --- collecting outcomes ------------------------------------------------------------------------
+
+
+class Collector:
+    """Reads ``decisions`` and the DLQ from offset 0, in the background, and indexes them."""
+
+    def __init__(self, bootstrap: str, topics: Topics, partitions: int) -> None:
+        self.bootstrap = bootstrap
+        self.topics = topics
+        counts = topics.partition_counts(partitions)
+        self.parts = [TopicPartition(topics.decisions, p) for p in range(counts[topics.decisions])]
+        self.parts += [TopicPartition(topics.dlq, p) for p in range(counts[topics.dlq])]
+        self.decisions: list[dict[str, Any]] = []
+        self.dead_letters: list[dict[str, Any]] = []
+        self.by_tx: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.by_corr: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.dlq_by_corr: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Collector:
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=20,  # the local broker does not wake a waiting fetch
+            max_partition_fetch_bytes=8 * 1024 * 1024,
+        )
+        await self._consumer.start()
+        self._consumer.assign(self.parts)
+        await self._consumer.seek_to_beginning(*self.parts)
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=100)
+            seen_at = time.time()
+            for tp, records in batches.items():
+                for record in records:
+                    doc = orjson.loads(record.value)
+                    doc["_seen_at"] = seen_at
+                    if tp.topic == self.topics.decisions:
+                        self.decisions.append(doc)
+                        self.by_tx[doc["transaction_id"]].append(doc)
+                        if doc.get("correlation_id") is not None:
+                            self.by_corr[doc["correlation_id"]].append(doc)
+                    else:
+                        header = (doc.get("headers") or {}).get("correlation-id")
+                        corr = base64.b64decode(header).decode("utf-8", "replace") if header else None
+                        doc["_correlation"] = corr
+                        doc["_key"] = record.key
+                        self.dead_letters.append(doc)
+                        if corr is not None:
+                            self.dlq_by_corr[corr].append(doc)
+
+    def has_outcome(self, m: Msg) -> bool:
+        return bool(self.by_corr.get(m.correlation) or self.dlq_by_corr.get(m.correlation))
+
+    async def wait_for(self, done: Callable[[], bool], timeout: float, what: str = "outcomes") -> float:
+        """Seconds until ``done()``; raises with the counts read so far on timeout."""
+        start = time.monotonic()
+        while not done():
+            if self._task is not None and self._task.done():
+                self._task.result()  # the reader died: say why
+            if time.monotonic() - start > timeout:
+                raise AssertionError(
+                    f"timed out after {timeout:.0f} s waiting for {what}: read {len(self.decisions)} decisions "
+                    f"and {len(self.dead_letters)} dead letters"
+                )
+            await asyncio.sleep(0.05)
+        return time.monotonic() - start
+
+    async def wait_all(
+        self,
+        messages: Sequence[Msg],
+        timeout: float,
+        settle: float = 2.0,
+        abort: Callable[[], bool] | None = None,
+    ) -> float:
+        """Wait until every message has an outcome (or ``timeout``, or ``abort()``
+        holds for 3 s, e.g. no worker is alive), then ``settle`` seconds more so
+        late duplicates show. Does not raise on timeout: the caller counts what is
+        lost. Returns the seconds waited before settling."""
+        start = time.monotonic()
+        aborting: float | None = None
+        while time.monotonic() - start < timeout:
+            if all(self.has_outcome(m) for m in messages):
+                break
+            if abort is not None and abort():
+                aborting = aborting or time.monotonic()
+                if time.monotonic() - aborting > 3.0:
+                    break
+            if self._task is not None and self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.1)
+        waited = time.monotonic() - start
+        await asyncio.sleep(settle)
+        return waited
+
+
+# --- counting -------------------------------------------------------------------------------------
+
+
+class LostMessages(AssertionError):
+    """Messages with neither a decision nor a dead letter (a test can xfail on exactly this)."""
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    decided: int = 0
+    dead_lettered: int = 0
+    duplicated: int = 0
+    lost: int = 0
+    lost_ids: list[str] = field(default_factory=list)
+    lost_at: list[tuple[int | None, int | None]] = field(default_factory=list)
+    """(partition, offset) of each lost message, when known."""
+    mismatched: list[str] = field(default_factory=list)
+    """Duplicates that disagree in action, fraud_score or model_version."""
+
+    def line(self, name: str, **extra: Any) -> str:
+        words = [f"FAULT {name}", f"sent={self.sent}", f"decided={self.decided}",
+                 f"dead_lettered={self.dead_lettered}", f"duplicated={self.duplicated}", f"lost={self.lost}"]  # fmt: skip
+        words += [f"{k}={v}" for k, v in extra.items()]
+        return " ".join(words)
+
+
+def tally(collector: Collector, messages: Sequence[Msg], *, by: str = "correlation") -> Tally:
+    """Per message: decided (>= 1 decision), dead-lettered (>= 1 DLQ record),
+    duplicated (> 1 decision), lost (neither).
+
+    ``by="transaction"`` finds decisions by transaction id (load tests: every
+    message has a unique one); ``"correlation"`` by the correlation-id header.
+    """
+    t = Tally(sent=len(messages))
+    for m in messages:
+        if by == "transaction":
+            assert m.transaction_id is not None
+            ds = collector.by_tx.get(m.transaction_id, [])
+        else:
+            ds = collector.by_corr.get(m.correlation, [])
+        dl = collector.dlq_by_corr.get(m.correlation, [])
+        t.decided += bool(ds)
+        t.dead_lettered += bool(dl)
+        if len(ds) > 1:
+            t.duplicated += 1
+            firsts = {(d["action"], d["fraud_score"], d["model_version"]) for d in ds}
+            if len(firsts) > 1:
+                t.mismatched.append(f"{m.transaction_id or m.correlation}: {sorted(firsts, key=str)}")
+        if not ds and not dl:
+            t.lost += 1
+            t.lost_ids.append(m.transaction_id or m.correlation)
+            t.lost_at.append((m.partition, m.offset))
+    return t
+
+
+async def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int | None]:
+    """The consumer group's committed offset per partition of ``topic`` (diagnostics)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        return {p: await consumer.committed(TopicPartition(topic, p)) for p in range(partitions)}
+    finally:
+        await consumer.stop()
+
+
+def lost_detail(t: Tally, committed: dict[int, int | None] | None = None) -> str:
+    by_partition: dict[int | None, list[int | None]] = defaultdict(list)
+    for partition, offset in t.lost_at:
+        by_partition[partition].append(offset)
+    parts = [f"p{p}: offsets {sorted(o for o in offs if o is not None)[:12]}" for p, offs in sorted(by_partition.items(), key=str)]
+    text = f"lost {t.lost}: " + "; ".join(parts) + f"; ids {t.lost_ids[:6]}"
+    if committed is not None:
+        text += f"; group committed {committed}"
+    return text
+
+
+def report(line: str) -> None:
+    """Print one FAULT line (pytest -s shows it) and append it to $FRAUD_FAULT_REPORT if set."""
+    print(line, flush=True)
+    path = os.environ.get("FRAUD_FAULT_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
