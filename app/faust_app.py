@@ -33,7 +33,7 @@ from app.topics import kafka_auth
 from models.ensemble import ScoringModel
 from models.registry import load_ensemble
 
-__all__ = ["Runtime", "create_app"]
+__all__ = ["Runtime", "base_app", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +144,14 @@ def _credentials(settings: Settings) -> Any:
     return None
 
 
-def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
-    """Build the app. ``runtime`` defaults to loading rules and model from settings."""
+def base_app(settings: Settings) -> faust.App:
+    """A faust app configured for this project's broker settings, without agents.
+
+    Shared by the scoring app and the benchmark's pass-through, so the two
+    reach the broker in exactly the same way.
+    """
     _install_fetch_wait_setting()
     sys.setswitchinterval(settings.gil_switch_interval_s)
-    runtime = runtime or Runtime.load(settings)
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
@@ -168,6 +171,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         topic_allow_declare=True,
     )
     app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the patch above
+    return app
+
+
+def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
+    """Build the app. ``runtime`` defaults to loading rules and model from settings."""
+    runtime = runtime or Runtime.load(settings)
+    app = base_app(settings)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
     decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)

@@ -21,9 +21,8 @@ from typing import Any
 
 import faust
 
-# NOTE: private helpers of the scoring app, imported rather than copied so the
-# two apps cannot drift apart in how they reach the broker.
-from app.faust_app import _credentials, _install_fetch_wait_setting
+# The scoring app's own configuration, so the two cannot drift apart.
+from app.faust_app import base_app
 from app.settings import Settings
 
 __all__ = ["create_passthrough_app", "main"]
@@ -31,26 +30,7 @@ __all__ = ["create_passthrough_app", "main"]
 
 def create_passthrough_app(settings: Settings) -> faust.App:
     """A faust app configured as :func:`app.faust_app.create_app` is, minus scoring."""
-    _install_fetch_wait_setting()
-    sys.setswitchinterval(settings.gil_switch_interval_s)
-    # Keep these arguments identical to create_app's: the comparison depends on it.
-    app = faust.App(
-        settings.app_id,
-        broker=f"kafka://{settings.kafka_bootstrap}",
-        broker_credentials=_credentials(settings),
-        store="memory://",
-        datadir=str(settings.data_dir),
-        broker_session_timeout=settings.session_timeout_s,
-        broker_heartbeat_interval=settings.heartbeat_interval_s,
-        producer_linger=settings.producer_linger_s,
-        consumer_auto_offset_reset="earliest",
-        web_host=settings.web_host,
-        web_port=settings.web_port,
-        web_bind=settings.web_host,
-        topic_partitions=settings.partitions,
-        topic_allow_declare=True,
-    )
-    app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the fetch-wait patch
+    app = base_app(settings)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
     decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
