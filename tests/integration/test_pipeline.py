@@ -22,7 +22,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from app import stack
 from app.materialize import materialize
+from workers import TxFactory  # tests/integration is on sys.path, as test_faults imports it
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -53,45 +53,6 @@ LATENCY_KEYS = {"queue_wait", "validate", "cache", "features", "model", "rules",
 
 
 # --- transactions ------------------------------------------------------------------
-
-
-def _iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-class TxFactory:
-    """Valid transactions from the simulated population, each with distinct content."""
-
-    def __init__(self, frame: pd.DataFrame, prefix: str) -> None:
-        last = frame.sort_values("timestamp").drop_duplicates("user_id", keep="last")
-        self.people = [
-            {
-                "user_id": r.user_id,
-                "merchant_id": r.merchant_id,
-                "merchant_category": r.merchant_category,
-                "device_id": r.device_id,
-                "lat": float(r.lat),
-                "lon": float(r.lon),
-                "country": r.country,
-                "currency": r.currency,
-            }
-            for r in last.itertuples()
-        ]
-        self.prefix = prefix
-        self.seq = 0
-
-    def __call__(self, **over: Any) -> dict[str, Any]:
-        self.seq += 1
-        person = self.people[self.seq % len(self.people)]
-        doc: dict[str, Any] = {
-            "transaction_id": f"{self.prefix}-{self.seq:05d}",
-            **person,
-            "amount": round(5 + (self.seq * 7.31) % 180, 2),
-            # Distinct to the millisecond: no two transactions share content by accident.
-            "timestamp": _iso(time.time() - 1.0 - self.seq * 0.002),
-        }
-        doc.update(over)
-        return doc
 
 
 @dataclass
