@@ -9,6 +9,7 @@ enqueued and not awaited, so they never hold up a decision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -28,6 +29,7 @@ from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
+from app.commits import TransactionCommits, untrack_read_offsets
 from app.settings import Settings
 from app.topics import kafka_auth
 from models.ensemble import ScoringModel
@@ -179,7 +181,20 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     runtime = runtime or Runtime.load(settings)
     app = base_app(settings)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
-    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
+    # acks=False: faust never commits `transactions`; the agent commits what it
+    # decided (app/offsets.py says why).
+    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **raw)
+    commits = TransactionCommits(app, settings.topic_transactions)
+    untrack_read_offsets(app, settings.topic_transactions)
+
+    @app.on_partitions_revoked.connect
+    async def _revoked(sender: Any, revoked: set[Any], **_: Any) -> None:
+        await commits.on_revoked(revoked)
+
+    @app.on_partitions_assigned.connect
+    async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
+        await commits.on_assigned(assigned)
+
     decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
     dead_letters = app.topic(settings.topic_dlq, **raw)
     feedback = app.topic(settings.topic_feedback, **raw)
@@ -234,13 +249,25 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         scorer = runtime.build_scorer(merchant_tally)
         await scorer.warm_up()
         size, within = settings.batch_size, settings.batch_window_s
-        async for events in stream.take_events(size, within=within):
-            batch = [_inbound(event) for event in events]
-            output = await scorer.score_batch(batch)
-            await _deliver(emit, scorer, output)
+        try:
+            async for events in stream.take_events(size, within=within):
+                admitted = await commits.admit(events)
+                if admitted.events:
+                    output = await scorer.score_batch([_inbound(event) for event in admitted.events])
+                    await _deliver(emit, scorer, output)
+                commits.done(admitted)
+        finally:
+            # A clean stop commits what was decided (else the next owner decides it again).
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(commits.commit(), 2.0)
 
     app.runtime = runtime
+    @app.timer(settings.commit_interval_s)
+    async def commit_decided() -> None:
+        await commits.tick()
+
     app.scoring_agent = score
+    app.transaction_commits = commits
     return app
 
 
