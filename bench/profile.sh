@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Profile a scoring worker under open-loop load with py-spy (make profile).
 #   bench/profile.sh [RATE] [DURATION_S] [BATCH_SIZE]
-# Writes bench/results/profile-<batch>-<rate>.txt (collapsed stacks) and prints
+# Writes .stack/profile-<batch>-<rate>.txt (collapsed stacks) and prints
 # the functions with the most samples (self and inclusive).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-200}; DURATION=${2:-20}; BATCH=${3:-32}
 BIN=.venv/bin; DATA=data/transactions.parquet; WORKER_PID=""
-OUT=bench/results/profile-b${BATCH}-r${RATE}.txt
+OUT=.stack/profile-b${BATCH}-r${RATE}.txt
 cleanup() {
   [[ -n "$WORKER_PID" ]] && kill -TERM "$WORKER_PID" 2>/dev/null && sleep 3 && kill -KILL "$WORKER_PID" 2>/dev/null || true
   $BIN/python -m app.stack down >/dev/null
