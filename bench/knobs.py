@@ -1,0 +1,66 @@
+"""Worker CPU per transaction under a fixed load, for one setting changed at a time
+(``python -m bench.knobs``).
+
+The end-to-end benchmark answers "how fast"; this answers "what does each knob
+cost": the batched pipeline at a rate it sustains, one worker per configuration,
+the same broker and Redis, reporting the worker's CPU ms per decided transaction
+(CPU time, which contention on a shared machine moves far less than latency)
+along with p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.run import BATCHED, DATA, QUICK_PLAN, Bench, Phase, Worker, prepare, services
+
+#: name -> environment overrides (FRAUD_* settings)
+KNOBS: dict[str, dict[str, str]] = {
+    "baseline": {},
+    "linger_5ms": {"FRAUD_PRODUCER_LINGER_S": "0.005"},
+    "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
+    "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},
+    "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=150.0)
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--knobs", nargs="+", default=list(KNOBS))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/knobs.json"))
+    args = parser.parse_args()
+    phase = Phase(warmup_s=3.0, measure_s=args.seconds, drain_s=15.0)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-knobs-") as tmp, services(Path(tmp)) as svc:
+        prepare(svc)
+        bench = Bench(QUICK_PLAN, svc, Path(tmp), time.monotonic())
+        for name in args.knobs:
+            saved = {k: os.environ.get(k) for k in KNOBS[name]}
+            os.environ.update(KNOBS[name])
+            worker = Worker(BATCHED, svc, Path(tmp))
+            try:
+                worker.wait_ready()
+                run = bench._measure(worker, args.rate, phase, f"knob-{name}")
+            finally:
+                worker.stop()
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
+            row = {"knob": name, **KNOBS[name], "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
+                   "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
+                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "data": str(DATA)}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out.write_text(json.dumps({"machine": "2 cores, shared", "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
