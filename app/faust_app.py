@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
+from app.metrics import WorkerMetrics
 from app.settings import Settings
 from app.topics import kafka_auth
 from models.ensemble import ScoringModel
@@ -178,6 +180,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     """Build the app. ``runtime`` defaults to loading rules and model from settings."""
     runtime = runtime or Runtime.load(settings)
     app = base_app(settings)
+    metrics = WorkerMetrics.install(app, settings)  # /metrics on the worker's web server
+    metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
     decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
@@ -231,15 +235,18 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
 
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
-        scorer = runtime.build_scorer(merchant_tally)
+        scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         await scorer.warm_up()
         size, within = settings.batch_size, settings.batch_window_s
         async for events in stream.take_events(size, within=within):
+            started = time.perf_counter()
             batch = [_inbound(event) for event in events]
             output = await scorer.score_batch(batch)
             await _deliver(emit, scorer, output)
+            metrics.observe_batch(batch, output, started)
 
     app.runtime = runtime
+    app.metrics = metrics
     app.scoring_agent = score
     return app
 
