@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents.auth import sign
+from app.autoscale import advise, measure
 from models.registry import current_version
 from tests.integration.workers import (
     Collector,
@@ -103,7 +104,9 @@ def test_metrics_move_with_traffic(
                     break
                 await asyncio.sleep(0.5)
             actions = [d["action"] for m in good for d in col.by_corr[m.correlation]]
-            return {"before": before, "after": after, "text": text, "actions": actions}
+            # What `fraud-pipeline scale advise` measures from this worker (now idle).
+            measured = await measure([f"127.0.0.1:{worker.port}"], 1.0)
+            return {"before": before, "after": after, "text": text, "actions": actions, "measured": measured}
 
     try:
         out = asyncio.run(scenario())
@@ -137,3 +140,10 @@ def test_metrics_move_with_traffic(
     assert one == 1 and dict(labels)["model_version"] == current_version(trained_registry)
     # faust's own sensor is served alongside.
     assert total(after, "faust_messages_received_total") >= len(traffic)
+    # The autoscaling advice from it: one worker, all partitions seen, nothing behind.
+    m = out["measured"]
+    assert (m.workers, m.partitions_seen, m.lag) == (1, PARTITIONS, 0)
+    assert m.capacity_per_worker_tps is not None and m.capacity_per_worker_tps > 0
+    a = advise(lag=m.lag, arrival_tps=m.arrival_tps, capacity_per_worker_tps=m.capacity_per_worker_tps,
+               partitions=PARTITIONS, current_workers=m.workers)  # fmt: skip
+    assert a.workers == 1, a.reasons

@@ -1,0 +1,211 @@
+"""How many workers the load needs: from consumer lag and measured throughput.
+
+Scaling follows queue depth, not CPU: a worker that waits on Redis or the
+broker looks idle to a CPU autoscaler while its partitions fall behind.
+
+:func:`advise` is the arithmetic (pure). The workers needed are those whose
+combined capacity, kept under ``target_utilization``, covers the arrival rate
+plus draining the current lag within ``drain_s``:
+
+    needed TPS  = arrival TPS + lag / drain_s
+    per worker  = measured capacity (messages per busy second) x target utilisation
+    workers     = ceil(needed / per worker), at least 1, at most the partition count
+
+A worker beyond the partition count would own no partition and do nothing, so
+past that cap the answer is "more partitions", which the advice says.
+
+:func:`measure` takes two scrapes of the workers' ``/metrics`` ``interval_s``
+apart: throughput and busy time from the counters' increase, lag from the
+per-partition gauges (fetch highwater minus committed offset), and the arrival
+rate as throughput plus the lag's growth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.errors import ConfigError
+
+__all__ = ["Advice", "Measurement", "WorkerScrape", "advise", "measure", "parse_scrape"]
+
+
+@dataclass(frozen=True)
+class Advice:
+    workers: int
+    """Recommended worker count."""
+    needed_tps: float
+    per_worker_tps: float
+    capped: bool
+    """The load needs more workers than there are partitions."""
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def advise(
+    *,
+    lag: float,
+    arrival_tps: float,
+    capacity_per_worker_tps: float | None,
+    partitions: int,
+    current_workers: int,
+    drain_s: float = 60.0,
+    target_utilization: float = 0.7,
+) -> Advice:
+    """The worker count for this load (see the module docstring for the formula)."""
+    if partitions < 1:
+        raise ConfigError(f"partitions must be >= 1, got {partitions}")
+    if not 0 < target_utilization <= 1:
+        raise ConfigError(f"target utilisation must be in (0, 1], got {target_utilization}")
+    if not drain_s > 0:
+        raise ConfigError(f"drain time must be > 0 s, got {drain_s}")
+    lag = max(0.0, lag)
+    arrival_tps = max(0.0, arrival_tps)
+    needed = arrival_tps + lag / drain_s
+    reasons = [
+        f"arrival {arrival_tps:.1f} TPS + lag {lag:.0f} / {drain_s:.0f} s drain = {needed:.1f} TPS needed"
+    ]
+    if capacity_per_worker_tps is None or not capacity_per_worker_tps > 0 or math.isnan(capacity_per_worker_tps):
+        keep = min(max(1, current_workers), partitions)
+        reasons.append(
+            f"no measured per-worker capacity yet (no traffic in the window): keep {keep} "
+            "(give --capacity-tps from `make bench` to decide without traffic)"
+        )
+        return Advice(keep, round(needed, 3), 0.0, False, reasons)
+    per_worker = capacity_per_worker_tps * target_utilization
+    raw = max(1, math.ceil(needed / per_worker - 1e-9))
+    reasons.append(
+        f"each worker sustains {capacity_per_worker_tps:.1f} TPS when busy; at {target_utilization:.0%} "
+        f"utilisation {per_worker:.1f} TPS: ceil({needed:.1f} / {per_worker:.1f}) = {raw}"
+    )
+    workers = min(raw, partitions)
+    capped = raw > partitions
+    if capped:
+        reasons.append(
+            f"capped at {partitions} (one worker per partition at most): {partitions} workers give "
+            f"{partitions * per_worker:.1f} TPS; add partitions to `transactions` to go further"
+        )
+    change = workers - current_workers
+    if current_workers > 0:
+        verb = "scale up" if change > 0 else ("scale down" if change < 0 else "keep")
+        reasons.append(f"{verb}: {current_workers} -> {workers} workers")
+    return Advice(workers, round(needed, 3), round(per_worker, 3), capped, reasons)
+
+
+# --- measuring from the workers' /metrics ------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerScrape:
+    """The numbers the advice needs from one worker's ``/metrics``."""
+
+    url: str
+    messages: float
+    busy_seconds: float
+    capacity_tps: float
+    lag: dict[tuple[str, str], float]
+    """(topic, partition) -> lag, for the partitions this worker holds."""
+
+
+def parse_scrape(url: str, text: str) -> WorkerScrape:
+    values: dict[str, float] = {}
+    lag: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "fraud_consumer_lag":
+                lag[(s.labels["topic"], s.labels["partition"])] = s.value
+            elif s.name in ("fraud_messages_total", "fraud_busy_seconds_total", "fraud_worker_capacity_tps"):
+                values[s.name] = s.value
+    if "fraud_messages_total" not in values:
+        raise ConfigError(f"{url} serves no fraud_messages_total: is it a fraud-pipeline worker's /metrics?")
+    return WorkerScrape(
+        url,
+        values["fraud_messages_total"],
+        values.get("fraud_busy_seconds_total", 0.0),
+        values.get("fraud_worker_capacity_tps", math.nan),
+        lag,
+    )
+
+
+def _metrics_url(url: str) -> str:
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    return url if url.endswith("/metrics") else f"{url}/metrics"
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> WorkerScrape:
+    full = _metrics_url(url)
+    try:
+        with urllib.request.urlopen(full, timeout=timeout_s) as reply:
+            return parse_scrape(full, reply.read().decode())
+    except OSError as exc:
+        raise ConfigError(f"cannot scrape {full}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    workers: int
+    partitions_seen: int
+    lag: float
+    processed_tps: float
+    arrival_tps: float
+    capacity_per_worker_tps: float | None
+    interval_s: float
+    reasons: list[str] = field(default_factory=list)
+
+
+def combine(first: Sequence[WorkerScrape], second: Sequence[WorkerScrape], interval_s: float) -> Measurement:
+    """Rates from two scrapes of the same workers ``interval_s`` apart (pure)."""
+    by_url = {w.url: w for w in first}
+    processed = busy = 0.0
+    for w in second:
+        before = by_url.get(w.url)
+        if before is not None and w.messages >= before.messages:  # a restarted worker's counters reset
+            processed += w.messages - before.messages
+            busy += w.busy_seconds - before.busy_seconds
+    lag_before = _total_lag(first)
+    lag_now = _total_lag(second)
+    processed_tps = processed / interval_s
+    growth = (lag_now - lag_before) / interval_s
+    reasons = [f"{len(second)} workers processed {processed_tps:.1f} TPS; lag went {lag_before:.0f} -> {lag_now:.0f}"]
+    if busy > 0:
+        capacity: float | None = processed / busy
+        reasons.append(f"{processed:.0f} messages in {busy:.2f} busy seconds: {capacity:.1f} TPS per busy worker")
+    else:
+        gauges = [w.capacity_tps for w in second if not math.isnan(w.capacity_tps)]
+        capacity = sum(gauges) / len(gauges) if gauges else None
+        if capacity is not None:
+            reasons.append(f"idle in the interval: capacity from the workers' 30 s gauge, {capacity:.1f} TPS")
+    parts = {p for w in second for p in w.lag}
+    return Measurement(
+        len(second), len(parts), lag_now, processed_tps, max(0.0, processed_tps + growth), capacity, interval_s, reasons
+    )
+
+
+def _total_lag(scrapes: Sequence[WorkerScrape]) -> float:
+    # NOTE: during a rebalance two workers may both report a partition: count it once.
+    merged: dict[tuple[str, str], float] = {}
+    for w in scrapes:
+        for part, value in w.lag.items():
+            merged[part] = max(value, merged.get(part, 0.0))
+    return sum(merged.values())
+
+
+async def measure(urls: Sequence[str], interval_s: float) -> Measurement:
+    if not urls:
+        raise ConfigError("no workers to measure: give --worker URL (one per worker)")
+    first = await asyncio.gather(*(asyncio.to_thread(scrape, u) for u in urls))
+    start = time.monotonic()
+    await asyncio.sleep(interval_s)
+    second = await asyncio.gather(*(asyncio.to_thread(scrape, u) for u in urls))
+    return combine(first, second, time.monotonic() - start)
