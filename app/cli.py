@@ -53,13 +53,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_materialize(args: argparse.Namespace) -> int:
     import pandas as pd
-    import redis
 
     from app.materialize import materialize
+    from app.redis_client import sync_client
     from app.settings import get_settings
 
     settings = get_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings)
     df = pd.read_parquet(args.data)
     as_of = datetime.fromisoformat(args.as_of).timestamp() if args.as_of else None
     result = materialize(df, client, as_of=as_of, ttl_s=settings.profile_ttl_s, progress=not args.quiet)

@@ -29,6 +29,7 @@ from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
+from app import redis_client
 from app.metrics import WorkerMetrics
 from app.settings import Settings
 from app.topics import kafka_auth
@@ -98,15 +99,8 @@ class Runtime:
         self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None
     ) -> Scorer:
         """Redis clients need the running loop: call this inside the agent."""
-        import redis.asyncio as aioredis
-
         s = self.settings
-        client = aioredis.Redis.from_url(
-            s.redis_url,
-            max_connections=s.redis_pool_size,
-            socket_timeout=s.redis_timeout_s,
-            socket_connect_timeout=max(s.redis_timeout_s, 0.2),
-        )
+        client = redis_client.async_client(s)  # one server or a Redis Cluster
         return Scorer(
             admission=self.admission(client),
             model=self.model,
