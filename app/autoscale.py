@@ -177,7 +177,8 @@ def combine(first: Sequence[WorkerScrape], second: Sequence[WorkerScrape], inter
     lag_now = _total_lag(second)
     processed_tps = processed / interval_s
     growth = (lag_now - lag_before) / interval_s
-    reasons = [f"{len(second)} workers processed {processed_tps:.1f} TPS; lag went {lag_before:.0f} -> {lag_now:.0f}"]
+    workers = f"{len(second)} worker{'' if len(second) == 1 else 's'}"
+    reasons = [f"{workers} processed {processed_tps:.1f} TPS; lag went {lag_before:.0f} -> {lag_now:.0f}"]
     if busy > 0:
         capacity: float | None = processed / busy
         reasons.append(f"{processed:.0f} messages in {busy:.2f} busy seconds: {capacity:.1f} TPS per busy worker")

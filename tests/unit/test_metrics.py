@@ -174,3 +174,13 @@ def test_throughput_window() -> None:
     metrics._window.extend([(t0 - 40, 1000, 1.0), (t0 - 5, 300, 0.5), (t0 - 1, 300, 0.5)])
     tps, busy, capacity = metrics.throughput(t0)
     assert tps == 600 / 30 and busy == 1.0 / 30 and capacity == 600.0  # the 40 s old batch is out
+
+
+def test_decisions_in_any_json_spelling_are_classified() -> None:
+    metrics = WorkerMetrics(Settings())
+    assert metrics._classify(orjson.dumps({"action": "approve", "cached": False})) == ("approve", "false")
+    assert metrics._classify(b'{"action": "review", "cached": true}') == ("review", "true")  # not orjson's form
+    assert metrics._classify(
+        orjson.dumps({"action": "reject", "cached": False, "error": {"code": "rate_limited"}})
+    ) == ("reject", "false")
+    assert _samples(metrics)[("fraud_rate_limited_total", ())] == 1
