@@ -81,6 +81,10 @@ def test_workers_scale(compose: dict[str, Any]) -> None:
     env = worker["environment"]
     assert env["KAFKA_BOOTSTRAP"] == "kafka:9092" and env["REDIS_URL"].startswith("redis://redis:")
     assert "FRAUD_CLIENT_KEYS" in env  # passed through from the shell
+    assert f"127.0.0.1:{port}/metrics" in " ".join(worker["healthcheck"]["test"])
+    # One image, built from this repository, for every service that runs the project's code.
+    ours = {n: s for n, s in compose["services"].items() if "build" in s}
+    assert set(ours) == {"topics", "worker", "gateway"} and len({s["image"] for s in ours.values()}) == 1
 
 
 def test_gateway(compose: dict[str, Any]) -> None:
