@@ -17,7 +17,9 @@ past that cap the answer is "more partitions", which the advice says.
 :func:`measure` takes two scrapes of the workers' ``/metrics`` ``interval_s``
 apart: throughput and busy time from the counters' increase, lag from the
 per-partition gauges (fetch highwater minus committed offset), and the arrival
-rate as throughput plus the lag's growth.
+rate as throughput plus the lag's growth. :func:`measure_broker` reads the same
+lag from the broker (fetch highwater, the group's committed offsets) when the
+workers cannot be reached; it sees no per-worker capacity.
 """
 
 from __future__ import annotations
@@ -34,7 +36,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import ConfigError
 
-__all__ = ["Advice", "Measurement", "WorkerScrape", "advise", "measure", "parse_scrape"]
+__all__ = [
+    "Advice",
+    "Measurement",
+    "PartitionOffsets",
+    "WorkerScrape",
+    "advise",
+    "broker_offsets",
+    "combine",
+    "combine_broker",
+    "measure",
+    "measure_broker",
+    "parse_scrape",
+]
 
 
 @dataclass(frozen=True)
@@ -210,3 +224,84 @@ async def measure(urls: Sequence[str], interval_s: float) -> Measurement:
     await asyncio.sleep(interval_s)
     second = await asyncio.gather(*(asyncio.to_thread(scrape, u) for u in urls))
     return combine(first, second, time.monotonic() - start)
+
+
+# --- measuring from the broker ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionOffsets:
+    """One partition of ``transactions`` as the broker sees the consumer group."""
+
+    highwater: int
+    committed: int | None
+
+    @property
+    def lag(self) -> int:
+        return max(0, self.highwater - (self.committed or 0))
+
+
+async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, PartitionOffsets]:
+    """Highwater and the group's committed offset for every partition of ``transactions``.
+
+    NOTE: the highwater comes from a fetch response, as in the workers: the
+    local broker answers ListOffsets "latest" wrongly when the last record
+    batch held more than one record. The consumer is assigned the partitions
+    (it never joins the group, so the workers are not rebalanced), positioned
+    at the group's committed offsets, and fetches at most a few bytes.
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from app.topics import kafka_auth
+
+    topic = settings.topic_transactions
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=settings.app_id, enable_auto_commit=False,
+        fetch_max_wait_ms=20, max_partition_fetch_bytes=1024, **kafka_auth(settings),
+    )  # fmt: skip
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        # NOTE: metadata for all topics, not for this one by name: the local broker
+        # auto-creates a topic named in a metadata request (with 4 partitions).
+        if topic not in await consumer.topics():
+            raise ConfigError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        committed = {tp: await consumer.committed(tp) for tp in tps}
+        for tp in tps:
+            consumer.seek(tp, committed[tp] or 0)
+        while any(consumer.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                missing = [tp.partition for tp in tps if consumer.highwater(tp) is None]
+                raise ConfigError(f"no fetch response for {topic} partitions {missing} within {timeout_s:.0f} s")
+            await consumer.getmany(*tps, timeout_ms=200, max_records=1)
+        return {tp.partition: PartitionOffsets(consumer.highwater(tp), committed[tp]) for tp in tps}
+    finally:
+        await consumer.stop()
+
+
+def combine_broker(
+    first: dict[int, PartitionOffsets], second: dict[int, PartitionOffsets], interval_s: float, workers: int
+) -> Measurement:
+    """Rates from two broker samples (pure). Arrival is the highwaters' growth,
+    throughput the committed offsets' growth; per-worker capacity is not
+    visible from the broker (give --capacity-tps, or scrape the workers)."""
+    arrived = sum(second[p].highwater - first[p].highwater for p in second if p in first)
+    committed = sum((second[p].committed or 0) - (first[p].committed or 0) for p in second if p in first)
+    lag = float(sum(o.lag for o in second.values()))
+    reasons = [
+        f"broker: {len(second)} partitions, lag {lag:.0f}; {arrived / interval_s:.1f} TPS arrived and "
+        f"{committed / interval_s:.1f} TPS committed over {interval_s:.1f} s"
+    ]
+    return Measurement(
+        workers, len(second), lag, committed / interval_s, arrived / interval_s, None, interval_s, reasons
+    )
+
+
+async def measure_broker(settings: Any, interval_s: float, workers: int) -> Measurement:
+    first = await broker_offsets(settings)
+    start = time.monotonic()
+    await asyncio.sleep(interval_s)
+    second = await broker_offsets(settings)
+    return combine_broker(first, second, time.monotonic() - start, workers)

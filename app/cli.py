@@ -168,13 +168,17 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from app.autoscale import advise, measure
+    from app.autoscale import advise, measure, measure_broker
     from app.settings import get_settings
 
-    urls = args.worker or ["http://127.0.0.1:6066"]
-    m = asyncio.run(measure(urls, args.interval))
-    partitions = args.partitions or get_settings().partitions
-    current = args.current_workers if args.current_workers is not None else m.workers
+    if args.from_broker:
+        current = args.current_workers if args.current_workers is not None else 1
+        m = asyncio.run(measure_broker(get_settings(), args.interval, current))
+        partitions = args.partitions or m.partitions_seen
+    else:
+        m = asyncio.run(measure(args.worker or ["http://127.0.0.1:6066"], args.interval))
+        partitions = args.partitions or get_settings().partitions
+        current = args.current_workers if args.current_workers is not None else m.workers
     capacity = args.capacity_tps or m.capacity_per_worker_tps
     advice = advise(
         lag=m.lag, arrival_tps=m.arrival_tps, capacity_per_worker_tps=capacity, partitions=partitions,
@@ -252,12 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     scale = p.add_subparsers(dest="scale_command", required=True)
     p = scale.add_parser(
         "advise", help="recommend a worker count (capped by the partition count), with the reasoning",
-        description="Scrape every worker's /metrics twice, INTERVAL seconds apart; from the lag per partition "
-        "and the workers' measured throughput, recommend how many workers the load needs.",
+        description="Scrape every worker's /metrics twice, INTERVAL seconds apart (or, with --from-broker, read "
+        "the consumer group's offsets from the broker); from the lag per partition and the measured throughput, "
+        "recommend how many workers the load needs.",
     )  # fmt: skip
     p.add_argument("--worker", action="append", metavar="URL",
                    help="a worker's web address, e.g. http://127.0.0.1:6066 (repeat per worker; default that one)")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between the two scrapes")
+    p.add_argument("--from-broker", action="store_true",
+                   help="read lag and rates from the broker (KAFKA_BOOTSTRAP, group FRAUD_APP_ID) instead of the "
+                        "workers; needs --capacity-tps")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between the two samples")
     p.add_argument("--drain-s", type=float, default=60.0, help="drain the current lag within this many seconds")
     p.add_argument("--target-utilization", type=float, default=0.7, help="keep each worker this busy at most")
     p.add_argument("--capacity-tps", type=float, help="per-worker capacity to assume instead of the measured one")

@@ -156,7 +156,8 @@ class WorkerMetrics:
     def instrument(self, scorer: Scorer) -> Scorer:
         """Time the scorer's Redis round trips (store, cache, replay guard, limiter)."""
         scorer.store = _Timed(scorer.store, self, {"enrich": "enrich"})  # type: ignore[assignment]
-        scorer.cache = _Timed(scorer.cache, self, {"get_many": "cache_get", "put_many": "cache_put"})  # type: ignore[assignment]
+        cache_ops = {"get_many": "cache_get", "put_many": "cache_put"}
+        scorer.cache = _Timed(scorer.cache, self, cache_ops)  # type: ignore[assignment]
         admission = scorer.admission
         if admission is not None:
             if admission.replay is not None:
@@ -283,8 +284,9 @@ class _ScrapeTimeCollector(Collector):
 
     def collect(self) -> Iterable[Any]:
         tps, busy, capacity = self.metrics.throughput()
-        yield _gauge("fraud_worker_throughput_tps", f"Messages per second over the last {THROUGHPUT_WINDOW_S:.0f} s", tps)
-        yield _gauge("fraud_worker_busy_ratio", f"Fraction of the last {THROUGHPUT_WINDOW_S:.0f} s spent on batches", busy)
+        window = f"{THROUGHPUT_WINDOW_S:.0f} s"
+        yield _gauge("fraud_worker_throughput_tps", f"Messages per second over the last {window}", tps)
+        yield _gauge("fraud_worker_busy_ratio", f"Fraction of the last {window} spent on batches", busy)
         yield _gauge(
             "fraud_worker_capacity_tps",
             "Measured messages per busy second: what this worker sustains when never idle (NaN before traffic)",
@@ -314,7 +316,7 @@ class _ScrapeTimeCollector(Collector):
         yield lag
         yield highwater
         yield committed
-        yield _gauge("fraud_assigned_partitions", "Partitions of the transactions topic assigned to this worker", assigned)
+        yield _gauge("fraud_assigned_partitions", "Partitions of `transactions` assigned to this worker", assigned)
 
     def _offsets(self) -> list[tuple[str, int, int | None, int | None]]:
         get = self.metrics.consumer

@@ -167,7 +167,8 @@ def test_cache_replay_guard_and_limiter_across_slots(cluster_url: str, sim_frame
             # A user over their limit spends none of their client's tokens.
             one = RedisRateLimiter(client, 1, 2, 1, 1, clock=clock)
             got = await one.allow([("pos-one", "u-a"), ("pos-one", "u-a"), ("pos-one", "u-b"), ("pos-one", "u-c")])
-            assert [(d.allowed, d.bucket) for d in got] == [(True, None), (False, "user"), (True, None), (False, "client")]
+            expected = [(True, None), (False, "user"), (True, None), (False, "client")]
+            assert [(d.allowed, d.bucket) for d in got] == expected
         finally:
             await client.aclose()
 

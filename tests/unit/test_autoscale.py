@@ -105,3 +105,13 @@ def test_combine_idle_falls_back_to_the_capacity_gauge() -> None:
     first = [_w("a", 10, 1.0, {"0": 0}, capacity=300.0)]
     m = combine(first, [_w("a", 10, 1.0, {"0": 0}, capacity=300.0)], interval_s=5.0)
     assert m.capacity_per_worker_tps == 300.0 and m.arrival_tps == 0.0
+
+
+def test_combine_broker_samples() -> None:
+    from app.autoscale import PartitionOffsets, combine_broker
+
+    first = {0: PartitionOffsets(100, 90), 1: PartitionOffsets(50, None)}
+    second = {0: PartitionOffsets(160, 150), 1: PartitionOffsets(80, 20)}
+    m = combine_broker(first, second, interval_s=10.0, workers=2)
+    assert m.arrival_tps == 9.0 and m.processed_tps == 8.0  # (60 + 30) / 10 arrived, (60 + 20) / 10 committed
+    assert m.lag == 10 + 60 and m.partitions_seen == 2 and m.capacity_per_worker_tps is None

@@ -48,7 +48,7 @@ def test_images_are_pinned(compose: dict[str, Any]) -> None:
         repo, _, tag = image.rpartition(":")
         assert repo and tag and tag != "latest" and "/" not in tag, f"{name}: image {image!r} is not pinned"
     base = re.search(r"^FROM (\S+)", (REPO / "Dockerfile").read_text(), re.M)
-    assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), "Dockerfile base image is not pinned to a patch release"
+    assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), "the Dockerfile's base image is not pinned"
 
 
 def test_kafka_is_one_kraft_node(compose: dict[str, Any]) -> None:

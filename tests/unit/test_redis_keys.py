@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from agents.cache import decision_keys
+from agents.cache import content_hash, decision_keys
 from agents.feature_store import merchant_key, profile_key, velocity_key
 from agents.ratelimit import _plan, client_bucket_key, slot_groups, user_bucket_key, Limit
 from app.contract import Transaction
@@ -33,6 +33,14 @@ def test_a_users_keys_share_one_slot() -> None:
         slots = {_slot(k) for k in (profile_key(tx.user_id), velocity_key(tx.user_id), user_bucket_key(tx.user_id),
                                      *decision_keys(tx))}  # fmt: skip
         assert len(slots) == 1, (tx.user_id, slots)
+
+
+def test_decision_key_scheme() -> None:
+    tx = _tx(3)
+    assert decision_keys(tx) == (
+        "fp:dec:{u:u-000003}:id:t-00003",
+        f"fp:dec:{{u:u-000003}}:h:{content_hash(tx)}",
+    )
 
 
 def test_users_spread_over_slots() -> None:
