@@ -9,6 +9,7 @@ enqueued and not awaited, so they never hold up a decision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -30,6 +31,7 @@ from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
 from app import redis_client
+from app.commits import TransactionCommits, untrack_read_offsets
 from app.metrics import WorkerMetrics
 from app.settings import Settings
 from app.topics import kafka_auth
@@ -177,7 +179,21 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     metrics = WorkerMetrics.install(app, settings)  # /metrics on the worker's web server
     metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
-    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
+    # acks=False: faust never commits `transactions`; the agent commits what it
+    # decided (app/offsets.py says why).
+    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **raw)
+    commits = TransactionCommits(app, settings.topic_transactions)
+    metrics.committed = commits.progress.committed_offsets  # lag = fetch highwater - this
+    untrack_read_offsets(app, settings.topic_transactions)
+
+    @app.on_partitions_revoked.connect
+    async def _revoked(sender: Any, revoked: set[Any], **_: Any) -> None:
+        await commits.on_revoked(revoked)
+
+    @app.on_partitions_assigned.connect
+    async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
+        await commits.on_assigned(assigned)
+
     decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
     dead_letters = app.topic(settings.topic_dlq, **raw)
     feedback = app.topic(settings.topic_feedback, **raw)
@@ -232,16 +248,30 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         await scorer.warm_up()
         size, within = settings.batch_size, settings.batch_window_s
-        async for events in stream.take_events(size, within=within):
-            started = time.perf_counter()
-            batch = [_inbound(event) for event in events]
-            output = await scorer.score_batch(batch)
-            await _deliver(emit, scorer, output)
-            metrics.observe_batch(batch, output, started)
+        try:
+            async for events in stream.take_events(size, within=within):
+                started = time.perf_counter()
+                admitted = await commits.admit(events)
+                if admitted.events:
+                    batch = [_inbound(event) for event in admitted.events]
+                    output = await scorer.score_batch(batch)
+                    await _deliver(emit, scorer, output)
+                    metrics.observe_batch(batch, output, started)
+                commits.done(admitted)
+        finally:
+            # A clean stop commits what was decided (else the next owner decides it again).
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(commits.commit(), 2.0)
 
     app.runtime = runtime
     app.metrics = metrics
+
+    @app.timer(settings.commit_interval_s)
+    async def commit_decided() -> None:
+        await commits.tick()
+
     app.scoring_agent = score
+    app.transaction_commits = commits
     return app
 
 

@@ -15,9 +15,10 @@ one process, as in tests, never share a metric). It holds:
   signal (``fraud-pipeline scale advise`` reads them).
 
 NOTE: faust's own Prometheus sensor is installed too (``faust_*`` metrics:
-messages in/out, send and commit latency, rebalances). With ``take()`` its
-per-event runtime metrics are wrong (events are never marked done), so
-batches and stages are timed here instead. Its ``topic_partition_end_offset``
+send latency, rebalances, the other topics' messages). It does not see
+``transactions``, which the agent consumes with acks off and commits itself
+(:mod:`app.commits`), and with ``take()`` its per-event runtime metrics are
+wrong (events are never marked done): batches and stages are timed here. Its ``topic_partition_end_offset``
 gauge comes from ListOffsets "latest", which the local broker gets wrong:
 lag is computed here from fetch highwaters.
 """
@@ -30,7 +31,7 @@ import re
 import time
 from collections import Counter as Counter_
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -126,6 +127,9 @@ class WorkerMetrics:
         self._versions: tuple[str, str] | None = None
         self._window: deque[tuple[float, int, float]] = deque()  # (monotonic end, messages, busy s)
         self.consumer: Any = None
+        #: The committed offset per partition, when the agent commits `transactions`
+        #: itself (app/commits.py); else faust's own record of its commits is read.
+        self.committed: Callable[[], Mapping[Any, int]] | None = None
         self.registry.register(_ScrapeTimeCollector(self))
 
     # --- wiring -------------------------------------------------------------------
@@ -327,16 +331,17 @@ class _ScrapeTimeCollector(Collector):
             tps = [tp for tp in consumer.assignment() if tp.topic == self.metrics.topic]
         except Exception:  # not started, or between rebalances
             return []
+        # NOTE: what this process committed (Kafka semantics: the next offset to
+        # read), not the broker's answer: that would cost a round trip per scrape.
+        source = self.metrics.committed
+        committed = source() if source is not None else getattr(consumer, "_committed_offset", {})
         out = []
         for tp in sorted(tps):
             try:
                 hw = consumer.highwater(tp)
             except Exception:
                 hw = None
-            # NOTE: faust's record of what it committed (Kafka semantics: the next
-            # offset to read); asking the broker would cost a round trip per scrape.
-            done = getattr(consumer, "_committed_offset", {}).get(tp)
-            out.append((tp.topic, tp.partition, hw, done))
+            out.append((tp.topic, tp.partition, hw, committed.get(tp)))
         return out
 
 

@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     """Consumer group session timeout (the local broker holds JoinGroup for half of it)."""
 
     heartbeat_interval_s: float = 1.5
+    commit_interval_s: float = 1.0
+    """How often the scoring agent commits the offsets it decided (and at every
+    rebalance): what a crash redelivers is at most this much plus the batch in flight."""
     web_host: str = "127.0.0.1"
     web_port: int = 6066
     """Each worker on one machine needs its own port."""

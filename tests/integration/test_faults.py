@@ -212,16 +212,6 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
 # --- rebalance ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=LostMessages,
-    reason=(
-        "known loss on rebalance (see RELIABILITY.md): transactions read by a surviving worker just before "
-        "its partitions are revoked are never decided; the group's committed offset then either moves past "
-        "them (lost for good) or stays at the first of them while the partition is no longer consumed. "
-        "faust-streaming 0.15.3 take_events() + eager rebalance (cf. faust-streaming #216, #221, #312)"
-    ),
-)
 def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> None:
     """Two workers on 8 partitions under load; one stops (SIGTERM), later a third joins."""
     rig = rig_factory(materialized, "rebal")
@@ -254,16 +244,42 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
             await c.wait_for_log("Ready", READY_TIMEOUT_S)
             await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
-            report(t.line("rebalance", workers=3, stopped_rc=stopped))
+            # Every partition's committed offset reaches its end: nothing is skipped
+            # (committed past an undecided offset) and nothing stalls (a partition
+            # left behind would be redelivered, or not consumed at all).
+            ends = partition_ends(sent)
+            committed = await wait_committed(rig, ends, timeout=10.0)
+            behind = {p: (committed.get(p), end) for p, end in ends.items() if committed.get(p) != end}
+            report(t.line("rebalance", workers=3, stopped_rc=stopped, partitions_behind=len(behind)))
             assert t.dead_lettered == 0
             check_no_duplicate_disagrees(t)
             assert b.alive() and c.alive(), rig.workers.logs()
-            if t.lost:  # a LostMessages, so that only this is the known failure (xfail above)
-                committed = await committed_offsets(rig.bootstrap, rig.workers.base_env["FRAUD_APP_ID"],
-                                                    rig.topics.transactions, PARTITIONS)  # fmt: skip
+            if t.lost:
                 raise LostMessages(f"{lost_detail(t, committed)}\n{rig.workers.logs(60)}")
+            assert not behind, f"committed offsets not at the end (committed, end): {behind}"
 
     asyncio.run(scenario())
+
+
+def partition_ends(sent: list[Msg]) -> dict[int, int]:
+    """The end offset (last + 1) of each partition the load wrote to."""
+    ends: dict[int, int] = {}
+    for m in sent:
+        if m.partition is not None and m.offset is not None:
+            ends[m.partition] = max(ends.get(m.partition, 0), m.offset + 1)
+    return ends
+
+
+async def wait_committed(rig: Rig, ends: dict[int, int], timeout: float) -> dict[int, int | None]:
+    """The group's committed offsets, once they reach ``ends`` or ``timeout`` passes
+    (the agent commits every FRAUD_COMMIT_INTERVAL_S)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        committed = await committed_offsets(rig.bootstrap, rig.workers.base_env["FRAUD_APP_ID"],
+                                            rig.topics.transactions, PARTITIONS)  # fmt: skip
+        if all(committed.get(p) == end for p, end in ends.items()) or time.monotonic() > deadline:
+            return committed
+        await asyncio.sleep(0.5)
 
 
 # --- Redis outage ----------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Which offsets of `transactions` have been decided, and what may be committed.
+
+faust commits the offsets a stream acks. With ``take_events()`` and an eager
+rebalance that loses transactions (RELIABILITY.md, gap 1): events fetched
+before a revocation are still delivered or acked after the partition has been
+reassigned, faust fills the hole before them as a "gap" it treats as acked, or
+drops the re-fetched records as already read, and its commit moves past offsets
+that were never scored.
+
+So the scoring agent keeps its own books, and the `transactions` topic is
+declared with ``acks=False`` so faust never commits it:
+
+- on assignment, each partition's *next offset to decide* is read from the
+  group's committed offset (the log start when there is none);
+- a batch is filtered before scoring: an event of a partition not assigned
+  now, or below the next offset (already decided), is skipped; one *above* it
+  means records in between never reached the agent, so the partition is sought
+  back to the next offset and its events are skipped until that offset arrives;
+- after a batch's outcomes are delivered, the next offsets advance, unless a
+  rebalance happened meanwhile (its new owner starts from the committed
+  offset and decides them again: a duplicate, never a loss);
+- commits carry only those offsets, on a timer and when partitions are revoked.
+
+A seek can be undone by records already on their way (faust then drops the
+re-fetched ones as read), so a partition still waiting after ``reseek_after_s``
+is sought back again, by the next batch or by the commit timer. Offsets within
+a partition are contiguous on the embedded broker and on Kafka without
+transactional producers; a real hole (compaction, transaction markers) looks
+like records that never come, so after ``max_seeks`` seeks that each met a
+later offset first the hole is accepted, with an error in the log, rather than
+stall the partition for ever.
+
+Pure bookkeeping, no I/O: the faust glue is in :mod:`app.faust_app`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, Hashable, TypeVar
+
+__all__ = ["Admitted", "PartitionProgress"]
+
+log = logging.getLogger(__name__)
+
+TP = TypeVar("TP", bound=Hashable)
+E = TypeVar("E")
+
+
+@dataclass
+class Admitted(Generic[TP, E]):
+    """The events of a batch that should be scored, and what to do about the rest."""
+
+    events: list[E]
+    generation: int
+    #: partition -> offset to seek back to (records before the first event seen never arrived)
+    rewind: dict[TP, int] = field(default_factory=dict)
+    skipped_unassigned: int = 0
+    skipped_decided: int = 0
+    skipped_rewinding: int = 0
+
+
+@dataclass
+class _Rewind:
+    offset: int
+    since: float
+    last_seek: float
+    seeks: int = 1
+
+
+class PartitionProgress(Generic[TP]):
+    """Next offset to decide per assigned partition; see the module docstring."""
+
+    def __init__(self, reseek_after_s: float = 1.0, max_seeks: int = 10) -> None:
+        self.reseek_after_s = reseek_after_s
+        self.max_seeks = max_seeks
+        #: rebalances seen; a batch admitted in one generation cannot move offsets in another
+        self.generation = 0
+        self._next: dict[TP, int] = {}  # decided and delivered up to here (exclusive)
+        self._admitted: dict[TP, int] = {}  # handed to a batch up to here (exclusive)
+        self._committed: dict[TP, int] = {}  # last offset committed (or read at assignment)
+        self._rewinding: dict[TP, _Rewind] = {}
+
+    # --- rebalance ------------------------------------------------------------------------------
+
+    def assign(self, positions: Mapping[TP, int]) -> None:
+        """Partitions assigned, each with the group's committed offset (or the log start)."""
+        self.generation += 1
+        self._next = dict(positions)
+        self._admitted = dict(positions)
+        self._committed = dict(positions)
+        self._rewinding.clear()
+
+    def revoke(self) -> dict[TP, int]:
+        """Partitions revoked: returns what is still to commit, and forgets everything."""
+        pending = self.uncommitted()
+        self.generation += 1
+        self._next.clear()
+        self._admitted.clear()
+        self._committed.clear()
+        self._rewinding.clear()
+        return pending
+
+    @property
+    def assigned(self) -> frozenset[TP]:
+        return frozenset(self._next)
+
+    # --- batches --------------------------------------------------------------------------------
+
+    def admit(self, events: Iterable[E], key: Callable[[E], tuple[TP, int]], now: float) -> Admitted[TP, E]:
+        """Filter a batch: keep the events that are next in their partition, in order."""
+        out: Admitted[TP, E] = Admitted(events=[], generation=self.generation)
+        for event in events:
+            tp, offset = key(event)
+            expected = self._admitted.get(tp)
+            if expected is None:
+                out.skipped_unassigned += 1
+                continue
+            rewind = self._rewinding.get(tp)
+            if offset < expected:
+                out.skipped_decided += 1
+                continue
+            if offset == expected:
+                if rewind is not None:
+                    del self._rewinding[tp]
+                out.events.append(event)
+                self._admitted[tp] = offset + 1
+                continue
+            # offset > expected: records in between did not reach us.
+            if rewind is None:
+                self._rewinding[tp] = _Rewind(expected, since=now, last_seek=now)
+                out.rewind[tp] = expected
+                out.skipped_rewinding += 1
+            elif now - rewind.last_seek < self.reseek_after_s:
+                out.skipped_rewinding += 1  # most likely on its way since before the seek
+            elif rewind.seeks < self.max_seeks:
+                rewind.seeks += 1
+                rewind.last_seek = now
+                out.rewind[tp] = expected
+                out.skipped_rewinding += 1
+            else:
+                log.error(
+                    "partition %s: offsets %d-%d never arrived after %d seeks over %.1f s; treating them "
+                    "as absent from the log (compaction or transaction markers?)",
+                    tp, expected, offset - 1, rewind.seeks, now - rewind.since,
+                )  # fmt: skip
+                del self._rewinding[tp]
+                out.events.append(event)
+                self._admitted[tp] = offset + 1
+        return out
+
+    def done(self, admitted: Admitted[TP, E], key: Callable[[E], tuple[TP, int]]) -> bool:
+        """The batch's outcomes were delivered: its partitions move on. False if a
+        rebalance came in between (nothing moves; the new owner decides them again)."""
+        if admitted.generation != self.generation:
+            return False
+        for event in admitted.events:
+            tp, offset = key(event)
+            if tp in self._next and offset >= self._next[tp]:
+                self._next[tp] = offset + 1
+        return True
+
+    def stalled_rewinds(self, now: float) -> dict[TP, int]:
+        """Partitions still waiting for a sought offset (no batch came to re-seek them)."""
+        due: dict[TP, int] = {}
+        for tp, rewind in self._rewinding.items():
+            if now - rewind.last_seek >= self.reseek_after_s:
+                rewind.last_seek = now
+                due[tp] = rewind.offset
+        return due
+
+    # --- commits --------------------------------------------------------------------------------
+
+    def uncommitted(self) -> dict[TP, int]:
+        """Offsets to commit: partitions that moved since their last commit."""
+        return {tp: n for tp, n in self._next.items() if self._committed.get(tp) != n}
+
+    def committed(self, offsets: Mapping[TP, int], generation: int) -> None:
+        """A commit of ``offsets`` (taken in ``generation``) succeeded."""
+        if generation == self.generation:
+            self._committed.update({tp: n for tp, n in offsets.items() if tp in self._next})
+
+    def positions(self) -> dict[TP, int]:
+        return dict(self._next)
+
+    def committed_offsets(self) -> dict[TP, int]:
+        """The group's committed offset (next to read) per assigned partition (for lag metrics)."""
+        return dict(self._committed)
+
+
+def event_position(event: object) -> tuple[object, int]:
+    """(topic-partition, offset) of a faust event."""
+    message = event.message  # type: ignore[attr-defined]
+    return message.tp, message.offset
+

@@ -1,0 +1,98 @@
+"""The scoring stage alone: ``Scorer.score_batch`` against a real Redis and the
+registered model, no Kafka. Prints wall time per batch and CPU per transaction,
+per stage, for batch sizes 1 / 8 / 32 (``python -m bench.scorer``).
+
+Why: the end-to-end benchmark (bench/run.py) mixes faust, the broker and the
+load generator on the same cores; this isolates what the pipeline's own code
+costs per transaction, so a change to it can be measured on a busy machine
+(CPU time moves far less with contention than wall time does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from agents.cache import RedisDecisionCache
+from agents.feature_store import RedisFeatureStore
+from agents.rules import load_rules
+from agents.score import Inbound, Scorer
+from app import stack
+from app.loadgen import _population
+from app.materialize import materialize
+from app.simulator import LiveTransactions
+from models.registry import load_ensemble
+
+
+async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str) -> list[dict[str, Any]]:
+    import redis.asyncio as aioredis
+
+    source = LiveTransactions(_population(data), seed=3, fraud_rate=0.01)
+    client = aioredis.Redis.from_url(redis_url, max_connections=8)
+    scorer = Scorer(
+        model=load_ensemble(registry, None),
+        rules=load_rules(Path("config/rules.json")),
+        store=RedisFeatureStore(client, local_cache_ttl_s=5.0),
+        cache=RedisDecisionCache(client, 3600),
+        model_budget_s=1.0,  # the cost, not the budget, is measured here
+    )
+    await scorer.warm_up()
+    results = []
+    for size in sizes:
+        walls, cpus = [], []
+        stages: defaultdict[str, list[float]] = defaultdict(list)
+        for i in range(batches + 3):
+            batch = [Inbound(value=orjson.dumps(source.next(time.time())), timestamp=time.time()) for _ in range(size)]
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            out = await scorer.score_batch(batch)
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            if out.to_cache:
+                await scorer.cache.put_many(out.to_cache)
+            if i < 3:
+                continue  # warm-up batches
+            walls.append(wall * 1000)
+            cpus.append(cpu * 1000)
+            for _, value in out.decisions[:1]:
+                for stage, ms in (orjson.loads(value).get("latency_ms") or {}).items():
+                    stages[stage].append(ms)
+        row = {
+            "batch": size,
+            "wall_ms_p50": round(statistics.median(walls), 2),
+            "cpu_ms_per_batch_p50": round(statistics.median(cpus), 2),
+            "cpu_ms_per_tx": round(statistics.median(cpus) / size, 3),
+            "stage_ms_p50": {k: round(statistics.median(v), 2) for k, v in stages.items()},
+        }
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    await client.aclose()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--data", type=Path, default=Path("data/transactions.parquet"))
+    parser.add_argument("--registry", type=Path, default=Path("models/registry"))
+    args = parser.parse_args()
+    import pandas as pd
+
+    handle = stack.start_redis(workdir=Path(".stack/bench-scorer"))
+    try:
+        materialize(pd.read_parquet(args.data), redis.Redis.from_url(handle.url), progress=False)
+        asyncio.run(run(args.sizes, args.batches, args.data, args.registry, handle.url))
+    finally:
+        handle.stop()
+
+
+if __name__ == "__main__":
+    main()
