@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 \
 	  || { echo "need redis-server on PATH (Debian: apt-get install redis-server)"; exit 1; }; }
+	@command -v docker-compose >/dev/null || { echo "installing docker-compose (apt; validates docker-compose.yml in the tests)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1 \
+	  || echo "docker-compose not installed: the compose file test will be skipped"; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

@@ -7,7 +7,7 @@ never reaches the feature store, so nothing is counted twice.
 
 :class:`RedisDecisionCache` shares decisions across workers (a partition that
 moves to another worker after a rebalance keeps its cache); lookups for a
-whole batch are one ``MGET``.
+whole batch are one ``MGET`` (one per slot on a Redis Cluster).
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ def content_hash(tx: Transaction) -> str:
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
+# NOTE: hash-tagged by user, as the user's features and rate bucket: on a Redis
+# Cluster a transaction's two entries share a slot (and node) with the rest of
+# what its batch reads for that user. A resend carries the same user; the same
+# transaction id under another user is not the same payment.
 def decision_keys(tx: Transaction) -> tuple[str, str]:
-    return f"fp:dec:id:{tx.transaction_id}", f"fp:dec:h:{content_hash(tx)}"
+    tag = f"{{u:{tx.user_id}}}"
+    return f"fp:dec:{tag}:id:{tx.transaction_id}", f"fp:dec:{tag}:h:{content_hash(tx)}"
 
 
 class DecisionCache(Protocol):
@@ -52,7 +57,10 @@ class RedisDecisionCache:
         if not txs:
             return []
         keys = [k for tx in txs for k in decision_keys(tx)]
-        values = await self._client.mget(keys)
+        # A Redis Cluster refuses an MGET across slots: it has the split-by-slot
+        # form (one pipelined MGET per slot); one server takes one MGET.
+        mget = getattr(self._client, "mget_nonatomic", None) or self._client.mget
+        values = await mget(keys)
         out: list[dict[str, Any] | None] = []
         for i in range(len(txs)):
             raw = values[2 * i] or values[2 * i + 1]

@@ -184,8 +184,10 @@ class RedisFeatureStore:
             if need_merchant:
                 pipe.hgetall(merchant_key(tx.merchant_id))
             # One command per transaction for the velocity state (see VELOCITY_SCRIPT).
-            pipe.evalsha(
-                self._velocity_sha, 1, velocity_key(tx.user_id),
+            # NOTE: execute_command, which is what evalsha() sends: redis-py's cluster
+            # pipeline blocks the evalsha() method, not the command (one key, one slot).
+            pipe.execute_command(
+                "EVALSHA", self._velocity_sha, 1, velocity_key(tx.user_id),
                 velocity_member(tx), repr(tx.timestamp), repr(tx.timestamp - VELOCITY_RETENTION_S),
                 repr(tx.timestamp - DAY_S), int(VELOCITY_RETENTION_S),
             )

@@ -21,14 +21,18 @@ tests drive it, and both limiters see the same numbers. Workers' clocks differ
 by their NTP skew; a bucket is never refilled backwards (a worker behind the
 last writer refills nothing), so skew can only delay a refill by that skew.
 
-NOTE: one script call touches all of a batch's buckets, so they must live on
-one Redis node; the hash tags ``{c:…}`` and ``{u:…}`` put a client's and a
-user's bucket in different Redis Cluster slots. On a cluster, split the batch
-by slot (and give up the all-or-nothing across client and user).
+On a Redis Cluster one script call may only touch keys of one slot, and the
+hash tags ``{c:…}`` and ``{u:…}`` put a client's and a user's bucket in
+different slots. There the limiter asks in two steps (two round trips, each
+one script call per slot, in parallel): first the users' buckets, then the
+clients' buckets for the requests their user admitted. A user over their limit
+still spends none of their client's allowance; what is given up is the other
+direction: a request its client refuses has already spent its user's token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +55,7 @@ __all__ = [
     "RateLimiter",
     "RedisRateLimiter",
     "client_bucket_key",
+    "slot_groups",
     "user_bucket_key",
 ]
 
@@ -182,6 +187,23 @@ def _plan(requests: Sequence[tuple[str, str]], client: Limit, user: Limit) -> _P
     return _Plan(list(index), limits, pairs)
 
 
+def slot_groups(keys: Sequence[str], bucket_of: dict[int, int]) -> list[list[int]]:
+    """Requests (their numbers, in order) grouped by the Redis Cluster slot of
+    their bucket. ``bucket_of``: request number -> index into ``keys``."""
+    from redis.crc import key_slot
+
+    groups: dict[int, list[int]] = {}
+    for n, i in bucket_of.items():
+        groups.setdefault(key_slot(keys[i].encode()), []).append(n)
+    return list(groups.values())
+
+
+def _is_cluster(client: Any) -> bool:
+    from redis.asyncio.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
+
+
 def _decision(refused: int, wait: float) -> RateDecision:
     return ALLOWED if refused == 0 else RateDecision(False, BUCKETS[refused - 1], wait)
 
@@ -205,6 +227,7 @@ class RedisRateLimiter:
         self.user_limit = Limit(user_rate, user_burst)
         self._clock = clock
         self._sha: str | None = None
+        self._cluster = _is_cluster(client)
 
     async def allow(self, requests: Sequence[tuple[str, str]]) -> list[RateDecision]:
         if not requests:
@@ -221,14 +244,40 @@ class RedisRateLimiter:
         if self._sha is None:
             self._sha = await self._client.script_load(TOKEN_BUCKET_SCRIPT)
         plan = _plan(requests, self.client_limit, self.user_limit)
-        # repr(float) is the shortest exact form: Lua's tonumber gets the same double.
-        args: list[str | int] = [repr(float(self._clock())), repr(COST)]
-        for limit in plan.limits:
-            args += (repr(float(limit.rate)), repr(float(limit.burst)))
-        for pair in plan.requests:
-            args += (len(pair), *(i + 1 for i in pair))
-        reply = await self._client.evalsha(self._sha, len(plan.keys), *plan.keys, *args)
+        now = float(self._clock())
+        if self._cluster:
+            return await self._allow_by_slot(plan, now)
+        reply = await self._call(plan, [list(pair) for pair in plan.requests], now)
         return [_decision(int(reply[2 * n]), float(reply[2 * n + 1])) for n in range(len(requests))]
+
+    async def _call(self, plan: _Plan, requests: Sequence[Sequence[int]], now: float) -> list[Any]:
+        """One script call for ``requests`` (each a list of indices into ``plan.keys``),
+        passing only the keys they use."""
+        used = sorted({i for request in requests for i in request})
+        local = {i: n for n, i in enumerate(used)}
+        # repr(float) is the shortest exact form: Lua's tonumber gets the same double.
+        args: list[str | int] = [repr(now), repr(COST)]
+        for i in used:
+            args += (repr(float(plan.limits[i].rate)), repr(float(plan.limits[i].burst)))
+        for request in requests:
+            args += (len(request), *(local[i] + 1 for i in request))
+        keys = [plan.keys[i] for i in used]
+        return await self._client.evalsha(self._sha, len(keys), *keys, *args)  # type: ignore[no-any-return]
+
+    async def _allow_by_slot(self, plan: _Plan, now: float) -> list[RateDecision]:
+        """Redis Cluster: users' buckets first, then clients' for the admitted (module docstring)."""
+        out: list[RateDecision] = [ALLOWED] * len(plan.requests)
+        for position, bucket in ((1, "user"), (0, "client")):
+            todo = [n for n, d in enumerate(out) if d.allowed]
+            groups = slot_groups(plan.keys, {n: plan.requests[n][position] for n in todo})
+            replies = await asyncio.gather(
+                *(self._call(plan, [[plan.requests[n][position]] for n in group], now) for group in groups)
+            )
+            for group, reply in zip(groups, replies):
+                for k, n in enumerate(group):
+                    if int(reply[2 * k]):
+                        out[n] = RateDecision(False, bucket, float(reply[2 * k + 1]))  # type: ignore[arg-type]
+        return out
 
 
 class InMemoryRateLimiter:

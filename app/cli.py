@@ -5,9 +5,10 @@
     train         train, evaluate and register the ensemble
     worker        run a scoring worker (a faust worker)
     loadgen       produce live transactions at a fixed rate and measure decisions
-    topics        create the topics
-    keys          create a producer client's signing key with their partition counts
+    topics        create the topics with their partition counts
+    keys          create a producer client's signing key
     stack         start/stop the local broker and Redis (up | down | status)
+    scale         autoscaling: `scale advise` recommends a worker count from lag and throughput
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_materialize(args: argparse.Namespace) -> int:
     import pandas as pd
-    import redis
 
     from app.materialize import materialize
+    from app.redis_client import sync_client
     from app.settings import get_settings
 
     settings = get_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings)
     df = pd.read_parquet(args.data)
     as_of = datetime.fromisoformat(args.as_of).timestamp() if args.as_of else None
     result = materialize(df, client, as_of=as_of, ttl_s=settings.profile_ttl_s, progress=not args.quiet)
@@ -166,6 +167,32 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return stack.main([args.action])
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from app.autoscale import advise, measure, measure_broker
+    from app.settings import get_settings
+
+    if args.from_broker:
+        current = args.current_workers if args.current_workers is not None else 1
+        m = asyncio.run(measure_broker(get_settings(), args.interval, current))
+        partitions = args.partitions or m.partitions_seen
+    else:
+        m = asyncio.run(measure(args.worker or ["http://127.0.0.1:6066"], args.interval))
+        partitions = args.partitions or get_settings().partitions
+        current = args.current_workers if args.current_workers is not None else m.workers
+    capacity = args.capacity_tps or m.capacity_per_worker_tps
+    advice = advise(
+        lag=m.lag, arrival_tps=m.arrival_tps, capacity_per_worker_tps=capacity, partitions=partitions,
+        current_workers=current, drain_s=args.drain_s, target_utilization=args.target_utilization,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps({"measurement": asdict(m), "advice": advice.to_dict()}, indent=2))
+    else:
+        print(f"recommended workers: {advice.workers}")
+        for line in [*m.reasons, *advice.reasons]:
+            print(f"  - {line}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fraud-pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -224,6 +251,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stack", help="local broker and Redis")
     p.add_argument("action", choices=["up", "down", "status"])
     p.set_defaults(func=cmd_stack)
+
+    p = sub.add_parser("scale", help="autoscaling advice from consumer lag and measured throughput")
+    scale = p.add_subparsers(dest="scale_command", required=True)
+    p = scale.add_parser(
+        "advise", help="recommend a worker count (capped by the partition count), with the reasoning",
+        description="Scrape every worker's /metrics twice, INTERVAL seconds apart (or, with --from-broker, read "
+        "the consumer group's offsets from the broker); from the lag per partition and the measured throughput, "
+        "recommend how many workers the load needs.",
+    )  # fmt: skip
+    p.add_argument("--worker", action="append", metavar="URL",
+                   help="a worker's web address, e.g. http://127.0.0.1:6066 (repeat per worker; default that one)")
+    p.add_argument("--from-broker", action="store_true",
+                   help="read lag and rates from the broker (KAFKA_BOOTSTRAP, group FRAUD_APP_ID) instead of the "
+                        "workers; needs --capacity-tps")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between the two samples")
+    p.add_argument("--drain-s", type=float, default=60.0, help="drain the current lag within this many seconds")
+    p.add_argument("--target-utilization", type=float, default=0.7, help="keep each worker this busy at most")
+    p.add_argument("--capacity-tps", type=float, help="per-worker capacity to assume instead of the measured one")
+    p.add_argument("--partitions", type=int, help="partitions of the transactions topic (default FRAUD_PARTITIONS)")
+    p.add_argument("--current-workers", type=int, help="workers running now (default: the number scraped)")
+    p.add_argument("--json", action="store_true", help="print the measurement and advice as JSON")
+    p.set_defaults(func=cmd_scale)
     return parser
 
 

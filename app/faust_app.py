@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,9 @@ from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
+from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
+from app.metrics import WorkerMetrics
 from app.settings import Settings
 from app.topics import kafka_auth
 from models.ensemble import ScoringModel
@@ -98,15 +101,8 @@ class Runtime:
         self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None
     ) -> Scorer:
         """Redis clients need the running loop: call this inside the agent."""
-        import redis.asyncio as aioredis
-
         s = self.settings
-        client = aioredis.Redis.from_url(
-            s.redis_url,
-            max_connections=s.redis_pool_size,
-            socket_timeout=s.redis_timeout_s,
-            socket_connect_timeout=max(s.redis_timeout_s, 0.2),
-        )
+        client = redis_client.async_client(s)  # one server or a Redis Cluster
         return Scorer(
             admission=self.admission(client),
             model=self.model,
@@ -180,11 +176,14 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     """Build the app. ``runtime`` defaults to loading rules and model from settings."""
     runtime = runtime or Runtime.load(settings)
     app = base_app(settings)
+    metrics = WorkerMetrics.install(app, settings)  # /metrics on the worker's web server
+    metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     # acks=False: faust never commits `transactions`; the agent commits what it
     # decided (app/offsets.py says why).
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **raw)
     commits = TransactionCommits(app, settings.topic_transactions)
+    metrics.committed = commits.progress.committed_offsets  # lag = fetch highwater - this
     untrack_read_offsets(app, settings.topic_transactions)
 
     @app.on_partitions_revoked.connect
@@ -246,15 +245,18 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
 
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
-        scorer = runtime.build_scorer(merchant_tally)
+        scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         await scorer.warm_up()
         size, within = settings.batch_size, settings.batch_window_s
         try:
             async for events in stream.take_events(size, within=within):
+                started = time.perf_counter()
                 admitted = await commits.admit(events)
                 if admitted.events:
-                    output = await scorer.score_batch([_inbound(event) for event in admitted.events])
+                    batch = [_inbound(event) for event in admitted.events]
+                    output = await scorer.score_batch(batch)
                     await _deliver(emit, scorer, output)
+                    metrics.observe_batch(batch, output, started)
                 commits.done(admitted)
         finally:
             # A clean stop commits what was decided (else the next owner decides it again).
@@ -262,6 +264,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 await asyncio.wait_for(commits.commit(), 2.0)
 
     app.runtime = runtime
+    app.metrics = metrics
+
     @app.timer(settings.commit_interval_s)
     async def commit_decided() -> None:
         await commits.tick()

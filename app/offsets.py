@@ -184,6 +184,10 @@ class PartitionProgress(Generic[TP]):
     def positions(self) -> dict[TP, int]:
         return dict(self._next)
 
+    def committed_offsets(self) -> dict[TP, int]:
+        """The group's committed offset (next to read) per assigned partition (for lag metrics)."""
+        return dict(self._committed)
+
 
 def event_position(event: object) -> tuple[object, int]:
     """(topic-partition, offset) of a faust event."""

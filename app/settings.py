@@ -31,7 +31,11 @@ class Settings(BaseSettings):
         "redis://127.0.0.1:16379/0",
         validation_alias=AliasChoices("FRAUD_REDIS_URL", "REDIS_URL", "redis_url"),
     )
-    """Online feature store. The default is the local stack's redis-server."""
+    """Online feature store. The default is the local stack's redis-server.
+    ``redis+cluster://host:port`` (or ``FRAUD_REDIS_CLUSTER``) for a Redis Cluster."""
+
+    redis_cluster: bool = False
+    """Treat ``redis_url`` as one node of a Redis Cluster (app/redis_client.py)."""
 
     redis_pool_size: int = 8
     """Connections in the worker's Redis pool (one pipeline per batch needs few)."""

@@ -5,7 +5,7 @@ Layout of a version::
     member_broad.ubj  member_shallow.ubj  member_behaviour.ubj   (UBJSON boosters)
     manifest.json      feature names, members (file, weight, features, params),
                        thresholds, metrics, data window, sha256 of every file
-    report/            evaluation.json, roc.png, pr.png
+    report/            evaluation.json, curves.png (ROC and precision-recall)
 
 ``<registry>/CURRENT`` names the version served when none is asked for.
 Loading verifies every checksum and that the manifest's feature set is the one

@@ -1,0 +1,307 @@
+"""How many workers the load needs: from consumer lag and measured throughput.
+
+Scaling follows queue depth, not CPU: a worker that waits on Redis or the
+broker looks idle to a CPU autoscaler while its partitions fall behind.
+
+:func:`advise` is the arithmetic (pure). The workers needed are those whose
+combined capacity, kept under ``target_utilization``, covers the arrival rate
+plus draining the current lag within ``drain_s``:
+
+    needed TPS  = arrival TPS + lag / drain_s
+    per worker  = measured capacity (messages per busy second) x target utilisation
+    workers     = ceil(needed / per worker), at least 1, at most the partition count
+
+A worker beyond the partition count would own no partition and do nothing, so
+past that cap the answer is "more partitions", which the advice says.
+
+:func:`measure` takes two scrapes of the workers' ``/metrics`` ``interval_s``
+apart: throughput and busy time from the counters' increase, lag from the
+per-partition gauges (fetch highwater minus committed offset), and the arrival
+rate as throughput plus the lag's growth. :func:`measure_broker` reads the same
+lag from the broker (fetch highwater, the group's committed offsets) when the
+workers cannot be reached; it sees no per-worker capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.errors import ConfigError
+
+__all__ = [
+    "Advice",
+    "Measurement",
+    "PartitionOffsets",
+    "WorkerScrape",
+    "advise",
+    "broker_offsets",
+    "combine",
+    "combine_broker",
+    "measure",
+    "measure_broker",
+    "parse_scrape",
+]
+
+
+@dataclass(frozen=True)
+class Advice:
+    workers: int
+    """Recommended worker count."""
+    needed_tps: float
+    per_worker_tps: float
+    capped: bool
+    """The load needs more workers than there are partitions."""
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def advise(
+    *,
+    lag: float,
+    arrival_tps: float,
+    capacity_per_worker_tps: float | None,
+    partitions: int,
+    current_workers: int,
+    drain_s: float = 60.0,
+    target_utilization: float = 0.7,
+) -> Advice:
+    """The worker count for this load (see the module docstring for the formula)."""
+    if partitions < 1:
+        raise ConfigError(f"partitions must be >= 1, got {partitions}")
+    if not 0 < target_utilization <= 1:
+        raise ConfigError(f"target utilisation must be in (0, 1], got {target_utilization}")
+    if not drain_s > 0:
+        raise ConfigError(f"drain time must be > 0 s, got {drain_s}")
+    lag = max(0.0, lag)
+    arrival_tps = max(0.0, arrival_tps)
+    needed = arrival_tps + lag / drain_s
+    reasons = [
+        f"arrival {arrival_tps:.1f} TPS + lag {lag:.0f} / {drain_s:.0f} s drain = {needed:.1f} TPS needed"
+    ]
+    if capacity_per_worker_tps is None or not capacity_per_worker_tps > 0 or math.isnan(capacity_per_worker_tps):
+        keep = min(max(1, current_workers), partitions)
+        reasons.append(
+            f"no measured per-worker capacity yet (no traffic in the window): keep {keep} "
+            "(give --capacity-tps from `make bench` to decide without traffic)"
+        )
+        return Advice(keep, round(needed, 3), 0.0, False, reasons)
+    per_worker = capacity_per_worker_tps * target_utilization
+    raw = max(1, math.ceil(needed / per_worker - 1e-9))
+    reasons.append(
+        f"each worker sustains {capacity_per_worker_tps:.1f} TPS when busy; at {target_utilization:.0%} "
+        f"utilisation {per_worker:.1f} TPS: ceil({needed:.1f} / {per_worker:.1f}) = {raw}"
+    )
+    workers = min(raw, partitions)
+    capped = raw > partitions
+    if capped:
+        reasons.append(
+            f"capped at {partitions} (one worker per partition at most): {partitions} workers give "
+            f"{partitions * per_worker:.1f} TPS; add partitions to `transactions` to go further"
+        )
+    change = workers - current_workers
+    if current_workers > 0:
+        verb = "scale up" if change > 0 else ("scale down" if change < 0 else "keep")
+        reasons.append(f"{verb}: {current_workers} -> {workers} workers")
+    return Advice(workers, round(needed, 3), round(per_worker, 3), capped, reasons)
+
+
+# --- measuring from the workers' /metrics ------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerScrape:
+    """The numbers the advice needs from one worker's ``/metrics``."""
+
+    url: str
+    messages: float
+    busy_seconds: float
+    capacity_tps: float
+    lag: dict[tuple[str, str], float]
+    """(topic, partition) -> lag, for the partitions this worker holds."""
+
+
+def parse_scrape(url: str, text: str) -> WorkerScrape:
+    values: dict[str, float] = {}
+    lag: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "fraud_consumer_lag":
+                lag[(s.labels["topic"], s.labels["partition"])] = s.value
+            elif s.name in ("fraud_messages_total", "fraud_busy_seconds_total", "fraud_worker_capacity_tps"):
+                values[s.name] = s.value
+    if "fraud_messages_total" not in values:
+        raise ConfigError(f"{url} serves no fraud_messages_total: is it a fraud-pipeline worker's /metrics?")
+    return WorkerScrape(
+        url,
+        values["fraud_messages_total"],
+        values.get("fraud_busy_seconds_total", 0.0),
+        values.get("fraud_worker_capacity_tps", math.nan),
+        lag,
+    )
+
+
+def _metrics_url(url: str) -> str:
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    return url if url.endswith("/metrics") else f"{url}/metrics"
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> WorkerScrape:
+    full = _metrics_url(url)
+    try:
+        with urllib.request.urlopen(full, timeout=timeout_s) as reply:
+            return parse_scrape(full, reply.read().decode())
+    except OSError as exc:
+        raise ConfigError(f"cannot scrape {full}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    workers: int
+    partitions_seen: int
+    lag: float
+    processed_tps: float
+    arrival_tps: float
+    capacity_per_worker_tps: float | None
+    interval_s: float
+    reasons: list[str] = field(default_factory=list)
+
+
+def combine(first: Sequence[WorkerScrape], second: Sequence[WorkerScrape], interval_s: float) -> Measurement:
+    """Rates from two scrapes of the same workers ``interval_s`` apart (pure)."""
+    by_url = {w.url: w for w in first}
+    processed = busy = 0.0
+    for w in second:
+        before = by_url.get(w.url)
+        if before is not None and w.messages >= before.messages:  # a restarted worker's counters reset
+            processed += w.messages - before.messages
+            busy += w.busy_seconds - before.busy_seconds
+    lag_before = _total_lag(first)
+    lag_now = _total_lag(second)
+    processed_tps = processed / interval_s
+    growth = (lag_now - lag_before) / interval_s
+    workers = f"{len(second)} worker{'' if len(second) == 1 else 's'}"
+    reasons = [f"{workers} processed {processed_tps:.1f} TPS; lag went {lag_before:.0f} -> {lag_now:.0f}"]
+    if busy > 0:
+        capacity: float | None = processed / busy
+        reasons.append(f"{processed:.0f} messages in {busy:.2f} busy seconds: {capacity:.1f} TPS per busy worker")
+    else:
+        gauges = [w.capacity_tps for w in second if not math.isnan(w.capacity_tps)]
+        capacity = sum(gauges) / len(gauges) if gauges else None
+        if capacity is not None:
+            reasons.append(f"idle in the interval: capacity from the workers' 30 s gauge, {capacity:.1f} TPS")
+    parts = {p for w in second for p in w.lag}
+    return Measurement(
+        len(second), len(parts), lag_now, processed_tps, max(0.0, processed_tps + growth), capacity, interval_s, reasons
+    )
+
+
+def _total_lag(scrapes: Sequence[WorkerScrape]) -> float:
+    # NOTE: during a rebalance two workers may both report a partition: count it once.
+    merged: dict[tuple[str, str], float] = {}
+    for w in scrapes:
+        for part, value in w.lag.items():
+            merged[part] = max(value, merged.get(part, 0.0))
+    return sum(merged.values())
+
+
+async def measure(urls: Sequence[str], interval_s: float) -> Measurement:
+    if not urls:
+        raise ConfigError("no workers to measure: give --worker URL (one per worker)")
+    first = await asyncio.gather(*(asyncio.to_thread(scrape, u) for u in urls))
+    start = time.monotonic()
+    await asyncio.sleep(interval_s)
+    second = await asyncio.gather(*(asyncio.to_thread(scrape, u) for u in urls))
+    return combine(first, second, time.monotonic() - start)
+
+
+# --- measuring from the broker ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionOffsets:
+    """One partition of ``transactions`` as the broker sees the consumer group."""
+
+    highwater: int
+    committed: int | None
+
+    @property
+    def lag(self) -> int:
+        return max(0, self.highwater - (self.committed or 0))
+
+
+async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, PartitionOffsets]:
+    """Highwater and the group's committed offset for every partition of ``transactions``.
+
+    NOTE: the highwater comes from a fetch response, as in the workers: the
+    local broker answers ListOffsets "latest" wrongly when the last record
+    batch held more than one record. The consumer is assigned the partitions
+    (it never joins the group, so the workers are not rebalanced), positioned
+    at the group's committed offsets, and fetches at most a few bytes.
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from app.topics import kafka_auth
+
+    topic = settings.topic_transactions
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=settings.app_id, enable_auto_commit=False,
+        fetch_max_wait_ms=20, max_partition_fetch_bytes=1024, **kafka_auth(settings),
+    )  # fmt: skip
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        # NOTE: metadata for all topics, not for this one by name: the local broker
+        # auto-creates a topic named in a metadata request (with 4 partitions).
+        if topic not in await consumer.topics():
+            raise ConfigError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        committed = {tp: await consumer.committed(tp) for tp in tps}
+        for tp in tps:
+            consumer.seek(tp, committed[tp] or 0)
+        while any(consumer.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                missing = [tp.partition for tp in tps if consumer.highwater(tp) is None]
+                raise ConfigError(f"no fetch response for {topic} partitions {missing} within {timeout_s:.0f} s")
+            await consumer.getmany(*tps, timeout_ms=200, max_records=1)
+        return {tp.partition: PartitionOffsets(consumer.highwater(tp), committed[tp]) for tp in tps}
+    finally:
+        await consumer.stop()
+
+
+def combine_broker(
+    first: dict[int, PartitionOffsets], second: dict[int, PartitionOffsets], interval_s: float, workers: int
+) -> Measurement:
+    """Rates from two broker samples (pure). Arrival is the highwaters' growth,
+    throughput the committed offsets' growth; per-worker capacity is not
+    visible from the broker (give --capacity-tps, or scrape the workers)."""
+    arrived = sum(second[p].highwater - first[p].highwater for p in second if p in first)
+    committed = sum((second[p].committed or 0) - (first[p].committed or 0) for p in second if p in first)
+    lag = float(sum(o.lag for o in second.values()))
+    reasons = [
+        f"broker: {len(second)} partitions, lag {lag:.0f}; {arrived / interval_s:.1f} TPS arrived and "
+        f"{committed / interval_s:.1f} TPS committed over {interval_s:.1f} s"
+    ]
+    return Measurement(
+        workers, len(second), lag, committed / interval_s, arrived / interval_s, None, interval_s, reasons
+    )
+
+
+async def measure_broker(settings: Any, interval_s: float, workers: int) -> Measurement:
+    first = await broker_offsets(settings)
+    start = time.monotonic()
+    await asyncio.sleep(interval_s)
+    second = await broker_offsets(settings)
+    return combine_broker(first, second, time.monotonic() - start, workers)

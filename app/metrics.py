@@ -1,0 +1,387 @@
+"""Prometheus metrics of a worker, served at ``/metrics`` on its web server.
+
+One :class:`WorkerMetrics` per faust app, with its own registry (two apps in
+one process, as in tests, never share a metric). It holds:
+
+- what the scoring agent observes after each batch (:meth:`observe_batch`),
+  read from the :class:`~agents.score.BatchOutput` the scorer already returns:
+  the batch's monitoring record (stage timings, counts, model version) and
+  its decisions and dead letters (action, cache hit, degraded, reason);
+- Redis round trips, timed by thin proxies around the scorer's Redis-backed
+  collaborators (:meth:`instrument`);
+- values computed when scraped (:class:`_ScrapeTimeCollector`): consumer lag
+  per partition from the consumer's fetch highwater minus the committed
+  offset, and the worker's measured throughput and capacity, the autoscaling
+  signal (``fraud-pipeline scale advise`` reads them).
+
+NOTE: faust's own Prometheus sensor is installed too (``faust_*`` metrics:
+send latency, rebalances, the other topics' messages). It does not see
+``transactions``, which the agent consumes with acks off and commits itself
+(:mod:`app.commits`), and with ``take()`` its per-event runtime metrics are
+wrong (events are never marked done): batches and stages are timed here. Its ``topic_partition_end_offset``
+gauge comes from ListOffsets "latest", which the local broker gets wrong:
+lag is computed here from fetch highwaters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections import Counter as Counter_
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    import faust
+
+    from agents.score import BatchOutput, Inbound, Scorer
+    from app.settings import Settings
+
+__all__ = ["THROUGHPUT_WINDOW_S", "WorkerMetrics", "consumer_lag"]
+
+log = logging.getLogger(__name__)
+
+#: Milliseconds-scale stages, in seconds (Prometheus convention).
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+#: Record timestamp to outcome: includes queueing, so a longer tail.
+E2E_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REDIS_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+FILL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+#: Stages of the scorer's monitoring record (``stage_ms``), in flow order.
+STAGES = ("validate", "cache", "features", "model", "rules")
+_ACTION = re.compile(rb'"action":"([a-z_]{1,32})"')
+#: Throughput and capacity are measured over this trailing window.
+THROUGHPUT_WINDOW_S = 30.0
+
+
+class WorkerMetrics:
+    """The metrics of one worker app, and the hooks that feed them."""
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.batch_capacity = settings.batch_size
+        self.topic = settings.topic_transactions
+        r = self.registry
+        self.stage_seconds = Histogram(
+            "fraud_stage_seconds", "Time a batch spent in each scoring stage", ["stage"],
+            buckets=STAGE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_seconds = Histogram(
+            "fraud_batch_seconds", "A batch from taken to its outcomes delivered to the broker",
+            buckets=STAGE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.end_to_end_seconds = Histogram(
+            "fraud_end_to_end_seconds",
+            "Per transaction: record timestamp (producer send time) to its outcome delivered to the broker",
+            buckets=E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "fraud_batch_size", "Messages per micro-batch", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.batch_fill = Histogram(
+            "fraud_batch_fill_ratio", "Batch size over FRAUD_BATCH_SIZE (1 = full batch)",
+            buckets=FILL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.messages = Counter("fraud_messages", "Messages taken from the transactions topic", registry=r)
+        self.busy_seconds = Counter(
+            "fraud_busy_seconds", "Seconds spent processing batches (for utilisation and capacity)", registry=r
+        )
+        self.decisions = Counter(
+            "fraud_decisions", "Decisions produced, by action; cached=true for resends answered from the cache",
+            ["action", "cached"], registry=r,
+        )  # fmt: skip
+        self.cache_hits = Counter("fraud_cache_hits", "Decisions answered from the decision cache", registry=r)
+        self.degraded = Counter(
+            "fraud_degraded_decisions", "Decisions made by rules alone, by reason", ["reason"], registry=r
+        )
+        self.dead_letters = Counter(
+            "fraud_dead_letters", "Records written to the dead-letter topic, by error code", ["reason"], registry=r
+        )
+        self.rate_limited = Counter(
+            "fraud_rate_limited", "Transactions rejected as over a client's or user's rate limit", registry=r
+        )
+        self.admission_unavailable = Counter(
+            "fraud_admission_unavailable",
+            "Batches admitted without a check because Redis could not answer it (fail open)", ["check"], registry=r,
+        )  # fmt: skip
+        self.redis_seconds = Histogram(
+            "fraud_redis_round_trip_seconds", "One Redis round trip (a pipeline, MGET or script call), by operation",
+            ["op"], buckets=REDIS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.redis_errors = Counter(
+            "fraud_redis_errors", "Redis round trips that raised, by operation", ["op"], registry=r
+        )
+        self.model_info = Gauge(
+            "fraud_model_info", "The model and rules versions deciding now (value 1)",
+            ["model_version", "rules_version"], registry=r,
+        )  # fmt: skip
+        self._versions: tuple[str, str] | None = None
+        self._window: deque[tuple[float, int, float]] = deque()  # (monotonic end, messages, busy s)
+        self.consumer: Any = None
+        #: The committed offset per partition, when the agent commits `transactions`
+        #: itself (app/commits.py); else faust's own record of its commits is read.
+        self.committed: Callable[[], Mapping[Any, int]] | None = None
+        self.registry.register(_ScrapeTimeCollector(self))
+
+    # --- wiring -------------------------------------------------------------------
+
+    @classmethod
+    def install(cls, app: faust.App, settings: Settings, *, faust_sensors: bool = True) -> WorkerMetrics:
+        """Create the app's metrics and serve them (with faust's) at ``/metrics``."""
+        from faust.sensors.prometheus import setup_prometheus_sensors
+        from prometheus_client import disable_created_metrics
+
+        # A `_created` series per counter doubles the scrape for nothing Prometheus uses.
+        disable_created_metrics()
+        metrics = cls(settings)
+        metrics.consumer = lambda: app.consumer
+        if faust_sensors:
+            setup_prometheus_sensors(app, pattern="/metrics", registry=metrics.registry, name_prefix="faust")
+        else:
+            _serve(app, metrics.registry)
+        return metrics
+
+    def set_versions(self, model_version: str | None, rules_version: str | None) -> None:
+        versions = (model_version or "none", rules_version or "none")
+        if versions != self._versions:
+            self.model_info.clear()
+            self.model_info.labels(*versions).set(1)
+            self._versions = versions
+
+    def instrument(self, scorer: Scorer) -> Scorer:
+        """Time the scorer's Redis round trips (store, cache, replay guard, limiter)."""
+        scorer.store = _Timed(scorer.store, self, {"enrich": "enrich"})  # type: ignore[assignment]
+        cache_ops = {"get_many": "cache_get", "put_many": "cache_put"}
+        scorer.cache = _Timed(scorer.cache, self, cache_ops)  # type: ignore[assignment]
+        admission = scorer.admission
+        if admission is not None:
+            if admission.replay is not None:
+                admission.replay = _Timed(admission.replay, self, {"check": "replay_guard"})  # type: ignore[assignment]
+            if admission.limiter is not None:
+                admission.limiter = _Timed(admission.limiter, self, {"allow": "rate_limit"})  # type: ignore[assignment]
+        return scorer
+
+    # --- per batch ----------------------------------------------------------------
+
+    def observe_batch(self, batch: Sequence[Inbound], output: BatchOutput, started: float) -> None:
+        """After a batch's outcomes were delivered. ``started``: ``time.perf_counter()``
+        when the batch was taken. Never raises: metrics must not cost a batch."""
+        try:
+            self._observe(batch, output, started)
+        except Exception:
+            log.exception("recording a batch's metrics failed")
+
+    def _observe(self, batch: Sequence[Inbound], output: BatchOutput, started: float) -> None:
+        busy = time.perf_counter() - started
+        now_wall = time.time()
+        n = len(batch)
+        self.messages.inc(n)
+        self.busy_seconds.inc(busy)
+        self._window.append((time.monotonic(), n, busy))
+        self.batch_seconds.observe(busy)
+        self.batch_size.observe(n)
+        self.batch_fill.observe(min(1.0, n / self.batch_capacity) if self.batch_capacity else 1.0)
+        for msg in batch:
+            if msg.timestamp:
+                self.end_to_end_seconds.observe(max(0.0, now_wall - msg.timestamp))
+        if output.monitoring is not None:
+            record = orjson.loads(output.monitoring)
+            for stage, ms in (record.get("stage_ms") or {}).items():
+                self.stage_seconds.labels(stage).observe(ms / 1000.0)
+            for name, count in (record.get("counts") or {}).items():
+                if name.endswith("_unavailable") and count:
+                    self.admission_unavailable.labels(name.removesuffix("_unavailable")).inc(count)
+            self.set_versions(record.get("model_version"), record.get("rules_version"))
+        tally: Counter_[tuple[str, str]] = Counter_()
+        for _, value in output.decisions:
+            tally[self._classify(value)] += 1
+        for (action, cached), count in tally.items():
+            self.decisions.labels(action, cached).inc(count)
+        if cached_count := sum(c for (_, cached), c in tally.items() if cached == "true"):
+            self.cache_hits.inc(cached_count)
+        for _, value in output.dead_letters:  # rare: parsed in full
+            code = (orjson.loads(value).get("error") or {}).get("code") or "unknown"
+            self.dead_letters.labels(code).inc()
+
+    def _classify(self, value: bytes) -> tuple[str, str]:
+        """(action, cached) of a produced decision.
+
+        NOTE: a byte search, not a JSON parse: decisions are written by orjson
+        (compact, fixed spelling), and parsing 32 of them per batch cost more
+        than the rest of the metrics. Only the rare degraded and rate-limited
+        ones are parsed, for their reason.
+        """
+        found = _ACTION.search(value)
+        if found is None:  # not the compact form: parse it
+            doc = orjson.loads(value)
+            action, cached = str(doc.get("action") or "unknown"), bool(doc.get("cached"))
+        else:
+            action, cached = found.group(1).decode(), b'"cached":true' in value
+        if not cached and (b'"degraded":true' in value or b'"rate_limited"' in value):
+            doc = orjson.loads(value)
+            if doc.get("degraded"):
+                self.degraded.labels(degraded_reason(doc.get("explanation") or [])).inc()
+            if (doc.get("error") or {}).get("code") == "rate_limited":
+                self.rate_limited.inc()
+        return action, "true" if cached else "false"
+
+    # --- at scrape time -------------------------------------------------------------
+
+    def throughput(self, now: float | None = None) -> tuple[float, float, float]:
+        """(messages per second, busy fraction, capacity in messages per second)
+        over the trailing window. Capacity is messages per *busy* second: what
+        this worker would process if it never waited for input."""
+        now = time.monotonic() if now is None else now
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+        messages = sum(n for _, n, _ in self._window)
+        busy = sum(b for _, _, b in self._window)
+        tps = messages / THROUGHPUT_WINDOW_S
+        capacity = messages / busy if busy > 0 else math.nan
+        return tps, min(1.0, busy / THROUGHPUT_WINDOW_S), capacity
+
+
+def degraded_reason(explanation: Sequence[str]) -> str:
+    """The label of a degraded decision's reason: its ``degraded: <why>`` line,
+    with numbers dropped so the label set stays small."""
+    for line in reversed(explanation):
+        if line.startswith("degraded: "):
+            why = line.removeprefix("degraded: ")
+            return " ".join(w for w in why.split() if not any(c.isdigit() for c in w)) or "unknown"
+    return "unknown"
+
+
+def consumer_lag(highwater: int | None, committed: int | None) -> int | None:
+    """Messages not yet committed in one partition; None before the first fetch.
+
+    NOTE: the highwater is the one the consumer's fetch responses carry (the
+    next offset to be written). ListOffsets "latest" is wrong on the local
+    broker when the last record batch held more than one record, so lag from
+    it would read too low. A partition never committed counts from offset 0.
+    """
+    if highwater is None:
+        return None
+    return max(0, highwater - (committed or 0))
+
+
+class _ScrapeTimeCollector(Collector):
+    """Lag per assigned partition and the worker's throughput, computed when scraped.
+
+    Computed at scrape time, not kept in gauges: a partition that moved to
+    another worker in a rebalance simply stops being reported here.
+    """
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterable[Any]:
+        return []  # unchecked: the families depend on the assignment
+
+    def collect(self) -> Iterable[Any]:
+        tps, busy, capacity = self.metrics.throughput()
+        window = f"{THROUGHPUT_WINDOW_S:.0f} s"
+        yield _gauge("fraud_worker_throughput_tps", f"Messages per second over the last {window}", tps)
+        yield _gauge("fraud_worker_busy_ratio", f"Fraction of the last {window} spent on batches", busy)
+        yield _gauge(
+            "fraud_worker_capacity_tps",
+            "Measured messages per busy second: what this worker sustains when never idle (NaN before traffic)",
+            capacity,
+        )
+        lag = GaugeMetricFamily(
+            "fraud_consumer_lag", "Fetch highwater minus committed offset, per assigned partition",
+            labels=["topic", "partition"],
+        )  # fmt: skip
+        highwater = GaugeMetricFamily(
+            "fraud_consumer_highwater", "Next offset to be written, from fetch responses", labels=["topic", "partition"]
+        )
+        committed = GaugeMetricFamily(
+            "fraud_consumer_committed_offset", "Committed offset (next to read) of this group",
+            labels=["topic", "partition"],
+        )  # fmt: skip
+        assigned = 0
+        for topic, partition, hw, done in self._offsets():
+            assigned += 1
+            labels = [topic, str(partition)]
+            if done is not None:
+                committed.add_metric(labels, done)
+            value = consumer_lag(hw, done)
+            if value is not None:
+                highwater.add_metric(labels, hw)
+                lag.add_metric(labels, value)
+        yield lag
+        yield highwater
+        yield committed
+        yield _gauge("fraud_assigned_partitions", "Partitions of `transactions` assigned to this worker", assigned)
+
+    def _offsets(self) -> list[tuple[str, int, int | None, int | None]]:
+        get = self.metrics.consumer
+        consumer = get() if get is not None else None
+        if consumer is None:
+            return []
+        try:
+            tps = [tp for tp in consumer.assignment() if tp.topic == self.metrics.topic]
+        except Exception:  # not started, or between rebalances
+            return []
+        # NOTE: what this process committed (Kafka semantics: the next offset to
+        # read), not the broker's answer: that would cost a round trip per scrape.
+        source = self.metrics.committed
+        committed = source() if source is not None else getattr(consumer, "_committed_offset", {})
+        out = []
+        for tp in sorted(tps):
+            try:
+                hw = consumer.highwater(tp)
+            except Exception:
+                hw = None
+            out.append((tp.topic, tp.partition, hw, committed.get(tp)))
+        return out
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class _Timed:
+    """A proxy that times the named coroutine methods of a Redis-backed collaborator."""
+
+    def __init__(self, inner: Any, metrics: WorkerMetrics, ops: dict[str, str]) -> None:
+        self._inner = inner
+        for method, op in ops.items():
+            setattr(self, method, self._wrap(getattr(inner, method), metrics, op))
+
+    @staticmethod
+    def _wrap(call: Callable[..., Any], metrics: WorkerMetrics, op: str) -> Callable[..., Any]:
+        histogram = metrics.redis_seconds.labels(op)
+        errors = metrics.redis_errors.labels(op)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await call(*args, **kwargs)
+            except BaseException:
+                errors.inc()
+                raise
+            finally:
+                histogram.observe(time.perf_counter() - start)
+
+        return timed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _serve(app: faust.App, registry: CollectorRegistry) -> None:
+    from aiohttp.web import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    @app.page("/metrics")
+    async def metrics_page(self: Any, request: Any) -> Any:
+        return Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

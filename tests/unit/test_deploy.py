@@ -1,0 +1,152 @@
+"""docker-compose.yml, the Prometheus config and the KEDA example agree with the code.
+
+The compose file is validated by Debian's ``docker-compose config`` (no Docker
+engine needed); what it prints, resolved, is then checked against what a user
+running ``docker compose up --scale worker=N`` depends on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.metrics import WorkerMetrics
+from app.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE = shutil.which("docker-compose")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    if COMPOSE is None:
+        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose; `make setup` does)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAUD_", "COMPOSE_"))}
+    done = subprocess.run(
+        [COMPOSE, "-f", str(REPO / "docker-compose.yml"), "config"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, f"docker-compose config refused the file:\n{done.stderr}"
+    return yaml.safe_load(done.stdout)
+
+
+def test_services(compose: dict[str, Any]) -> None:
+    assert set(compose["services"]) == {"kafka", "topics", "redis", "worker", "gateway", "prometheus"}
+
+
+def test_images_are_pinned(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        image = service["image"]
+        repo, _, tag = image.rpartition(":")
+        assert repo and tag and tag != "latest" and "/" not in tag, f"{name}: image {image!r} is not pinned"
+    base = re.search(r"^FROM (\S+)", (REPO / "Dockerfile").read_text(), re.M)
+    assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), "the Dockerfile's base image is not pinned"
+
+
+def test_kafka_is_one_kraft_node(compose: dict[str, Any]) -> None:
+    kafka = compose["services"]["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    env = kafka["environment"]
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    assert str(env["KAFKA_CONTROLLER_QUORUM_VOTERS"]).startswith(f"{env['KAFKA_NODE_ID']}@kafka:")
+    assert not any("zookeeper" in k.lower() or "zookeeper" in str(v) for k, v in env.items())
+    assert str(env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]).lower() == "false"  # topics come from app/topics.py
+
+
+def test_topics_created_once_by_the_project_command_before_workers(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["topics"]["command"] == ["fraud-pipeline", "topics"]
+    assert services["topics"]["restart"] == "no"
+    for name in ("worker", "gateway"):
+        assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully", name
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
+
+
+def test_workers_scale(compose: dict[str, Any]) -> None:
+    worker = compose["services"]["worker"]
+    assert "container_name" not in worker and "ports" not in worker, "replicas would collide"
+    command = worker["command"]
+    assert command[:2] == ["fraud-pipeline", "worker"]
+    port = command[command.index("--web-port") + 1]
+    assert worker["environment"]["FRAUD_WEB_HOST"] == "0.0.0.0"  # Prometheus scrapes it from another container
+    assert str(port) in [str(p) for p in worker["expose"]]
+    env = worker["environment"]
+    assert env["KAFKA_BOOTSTRAP"] == "kafka:9092" and env["REDIS_URL"].startswith("redis://redis:")
+    assert "FRAUD_CLIENT_KEYS" in env  # passed through from the shell
+    assert f"127.0.0.1:{port}/metrics" in " ".join(worker["healthcheck"]["test"])
+    # One image, built from this repository, for every service that runs the project's code.
+    ours = {n: s for n, s in compose["services"].items() if "build" in s}
+    assert set(ours) == {"topics", "worker", "gateway"} and len({s["image"] for s in ours.values()}) == 1
+
+
+def test_gateway(compose: dict[str, Any]) -> None:
+    gateway = compose["services"]["gateway"]
+    assert gateway["command"] == ["fraud-pipeline", "gateway", "--port", "8080"]
+    assert any(str(p).split(":")[-1].startswith("8080") for p in gateway["ports"])
+    assert gateway["environment"]["KAFKA_BOOTSTRAP"] == compose["services"]["worker"]["environment"]["KAFKA_BOOTSTRAP"]
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for v in service["volumes"]:
+        source, target = (v["source"], v["target"]) if isinstance(v, dict) else v.split(":")[:2]
+        out[target] = source
+    return out
+
+
+def test_prometheus_finds_every_worker_by_dns(compose: dict[str, Any]) -> None:
+    prometheus = compose["services"]["prometheus"]
+    mounts = _mounts(prometheus)
+    assert Path(mounts["/etc/prometheus/prometheus.yml"]).resolve() == DEPLOY / "prometheus.yml"
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    worker_port = compose["services"]["worker"]["command"][-1]
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "fraud-worker"]
+    [sd] = job["dns_sd_configs"]
+    assert sd["names"] == ["worker"] and sd["type"] == "A" and str(sd["port"]) == str(worker_port)
+    assert job["metrics_path"] == "/metrics"
+    for rule_file in config["rule_files"]:
+        assert rule_file in mounts, f"{rule_file} is not mounted into the container"
+        assert Path(mounts[rule_file]).is_file()
+
+
+def _exported_names() -> set[str]:
+    names = set()
+    for family in WorkerMetrics(Settings()).registry.collect():
+        names.add(family.name)
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ())
+        names.update(family.name + s for s in suffixes)
+    return names
+
+
+def test_recording_rules_use_metrics_the_worker_exports() -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus-rules.yml").read_text())
+    exported = _exported_names()
+    records = set()
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            records.add(rule["record"])
+            for name in re.findall(r"\bfraud(?::[a-z_]+)+|\bfraud_[a-z_]+", rule["expr"]):
+                assert name in exported or name in records, f"{rule['record']} uses {name}, which nothing defines"
+    assert "fraud:desired_workers" in records
+
+
+def test_keda_matches_the_settings(compose: dict[str, Any]) -> None:
+    scaled = yaml.safe_load((DEPLOY / "keda-scaledobject.yaml").read_text())
+    settings = Settings()
+    assert scaled["kind"] == "ScaledObject"
+    spec = scaled["spec"]
+    partitions = int(compose["services"]["worker"]["environment"]["FRAUD_PARTITIONS"])
+    assert spec["maxReplicaCount"] == partitions == settings.partitions  # a worker past the partitions idles
+    assert spec["minReplicaCount"] >= 1
+    [kafka] = [t for t in spec["triggers"] if t["type"] == "kafka"]
+    meta = kafka["metadata"]
+    assert meta["consumerGroup"] == settings.app_id and meta["topic"] == settings.topic_transactions
+    assert meta["allowIdleConsumers"] == "false" and int(meta["lagThreshold"]) > 0
