@@ -168,6 +168,7 @@ class Reloader:
             self._rules_version = rules.version
         if parts:
             scorer.swap(**parts)
+        if changes:
             log.info("now serving: %s (swapped between batches)", "; ".join(changes))
         return changes
 

@@ -173,6 +173,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from agents.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
+    from app.feedback_loop import quality_prefix
     from app.settings import get_settings
 
     settings = get_settings()
@@ -193,7 +194,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         async def snapshot() -> Any:
             client = aioredis.Redis.from_url(settings.redis_url)
             try:
-                return await RedisQualityStore(client).snapshot()
+                return await RedisQualityStore(client, prefix=quality_prefix(settings)).snapshot()
             finally:
                 await client.aclose()
 

@@ -22,13 +22,19 @@ from agents.labels import Label, parse_label
 from agents.quality import RedisQualityStore, quality_report, served_from_feedback
 from app.settings import Settings
 
-__all__ = ["install_feedback_loop"]
+__all__ = ["install_feedback_loop", "quality_prefix"]
 
 log = logging.getLogger(__name__)
 
 BATCH = 500
 WITHIN_S = 1.0
 ATTEMPTS = 3
+
+
+def quality_prefix(settings: Settings) -> str:
+    """Redis keys of one deployment (one app id = one consumer group), so two
+    deployments on one Redis, or parallel test workers, never mix their figures."""
+    return f"quality:{settings.app_id}:"
 
 
 def install_feedback_loop(
@@ -45,7 +51,8 @@ def install_feedback_loop(
 
             client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
             state["store"] = RedisQualityStore(
-                client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined
+                client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined,
+                prefix=quality_prefix(settings),
             )
         return state["store"]
 

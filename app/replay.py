@@ -1,10 +1,11 @@
-"""Read a topic from offset 0 up to its end as of now: the feedback loop's history.
+"""Read a topic from offset 0 up to its end: the feedback loop's history.
 
 ``report quality --replay``, ``train --from-feedback`` and ``rules backtest``
 read ``feedback`` and ``labels`` this way: the topics are the record, so these
 commands need no state of the running workers. A consumer without a group
 (nothing committed, nothing shared with the workers) assigns every partition,
-seeks to the beginning and stops at the end offsets it saw when it started.
+seeks to the beginning and stops once every partition is read up to its high
+watermark.
 """
 
 from __future__ import annotations
@@ -47,23 +48,21 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 120.0
             return []
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        begins = await consumer.beginning_offsets(parts)
-        remaining = {tp for tp in parts if ends[tp] > begins[tp]}
+        # NOTE: the local broker's ListOffsets "latest" is too low when the last
+        # record batch held more than one record, so end_offsets() would stop
+        # early: the high watermark of the fetch responses is right.
+        remaining = set(parts)
         out: list[tuple[bytes | None, bytes, float]] = []
         deadline = time.monotonic() + timeout_s
         while remaining:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {topic}: {len(out)} records in {timeout_s:.0f} s, not at the end yet")
             batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=5000)
-            for tp, records in batches.items():
-                for record in records:
-                    if record.offset < ends[tp]:
-                        out.append((record.key, record.value, (record.timestamp or 0) / 1000.0))
-                if records and records[-1].offset >= ends[tp] - 1:
-                    remaining.discard(tp)
-            for tp in list(remaining):  # compacted or empty tails: the position says it too
-                if await consumer.position(tp) >= ends[tp]:
+            for records in batches.values():
+                out.extend((r.key, r.value, (r.timestamp or 0) / 1000.0) for r in records)
+            for tp in list(remaining):
+                highwater = consumer.highwater(tp)
+                if highwater is not None and await consumer.position(tp) >= highwater:
                     remaining.discard(tp)
         return out
     finally:
