@@ -11,7 +11,8 @@ In order (one worker serves the module):
 2. a shadow model is scored on the same batches and logged in ``feedback``,
    and the decisions carry the served model's version and score;
 3. a model promoted mid-stream: decisions switch to its version between two
-   batches, never back, and none is lost.
+   batches, never back, and none is lost; drift records (PSI per window of
+   100 rows) appear on ``monitoring`` for each model in turn.
 
 The registry holds the session's trained version and a second version with
 the same boosters but other member weights (the manifest holds the weights,
@@ -123,7 +124,8 @@ def loop(
     topics = Topics.unique("fl")
     env = worker_env(
         bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=registry, workdir=workdir,
-        partitions=PARTITIONS, FRAUD_QUALITY_EVERY_S="1", FRAUD_RELOAD_CHECK_S="0.5", USER="feedback-test",
+        partitions=PARTITIONS, FRAUD_QUALITY_EVERY_S="1", FRAUD_RELOAD_CHECK_S="0.5", FRAUD_DRIFT_WINDOW_ROWS="100",
+        USER="feedback-test",
     )  # fmt: skip
     (workdir / "rules.json").write_text(json.dumps(RULES))  # worker_env wrote the fault tests' rules there
     asyncio.run(topics.create(kafka_bootstrap, PARTITIONS))
@@ -339,5 +341,9 @@ def test_a_model_promoted_mid_stream_decides_the_next_batches_and_none_is_lost(l
     history = loop.cli("models", "list")
     assert f'"version": "{SECOND}", "previous": "{loop.first}", "by": "feedback-test"' in history
     assert "now serving: model" in loop.workers.started[0].text()
+    # Drift windows of 100 rows, for each model in turn, against its training reference.
+    drift = [r for r in loop.records(loop.topics.monitoring) if r.get("kind") == "drift"]
+    assert {r["model_version"] for r in drift} == {loop.first, SECOND}
+    assert all(r["rows"] >= 100 and "score" in r["psi"] and len(r["psi"]) == 6 for r in drift)
     print(f"\npromotion mid-stream: {t.sent} sent, {t.decided} decided, {t.lost} lost, "
           f"{switch} by {loop.first} then {len(versions) - switch} by {SECOND}")  # fmt: skip
