@@ -245,7 +245,7 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
 
     cfg = LoadConfig(
         rate=args.rate, duration_s=args.duration, data=args.data, fraud_rate=args.fraud_rate,
-        seed=args.seed, report_every_s=args.every,
+        seed=args.seed, report_every_s=args.every, label_share=args.labels,
     )
     summary = asyncio.run(run_load(cfg))
     if args.json:
@@ -350,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--every", type=float, default=1.0, help="seconds between progress lines")
     p.add_argument("--json", help="write the summary here")
+    p.add_argument("--labels", type=float, default=0.0,
+                   help="share of transactions also labelled with the simulator's ground truth (feedback loop demos)")
     p.set_defaults(func=cmd_loadgen)
 
     p = sub.add_parser("keys", help="create a producer client key (HMAC signing)")
