@@ -10,9 +10,10 @@ seconds; batches go on with what is served meanwhile). The scoring agent calls
 swapped in there, between two batches, so a batch sees one model and one rules
 version throughout and no batch waits for a load or is dropped.
 
-A version that fails to load (bad checksum, other feature set) or a rules file
-that fails validation is logged and skipped; what is served stays served, and
-the same pointer or file is not retried until it changes again.
+A version that fails to load or to predict (bad checksum, other feature set)
+is logged and not tried again by this worker (versions are immutable: fix it
+under a new version); a rules file that fails validation is logged and skipped
+until the file changes again. Either way what is served stays served.
 """
 
 from __future__ import annotations
@@ -136,7 +137,17 @@ class Reloader:
     # --- applying, between batches --------------------------------------------------------------
 
     async def apply(self, scorer: Any) -> list[str]:
-        """Swap into ``scorer`` whatever is loaded and wanted; returns what changed, in words."""
+        """Swap into ``scorer`` whatever is loaded and wanted; returns what changed, in words.
+
+        Never raises: it runs inside the scoring agent's batch loop, where an
+        exception would cost the batch (faust acks it)."""
+        try:
+            return await self._apply(scorer)
+        except Exception:
+            log.exception("hot reload failed; serving as before")
+            return []
+
+    async def _apply(self, scorer: Any) -> list[str]:
         await self.poll()
         self._collect()
         changes: list[str] = []
@@ -144,10 +155,10 @@ class Reloader:
         current = scorer.model.version if scorer.model is not None else None
         if self.want_model and self.want_model != current and self.want_model in self._loaded:
             model = self._loaded[self.want_model]
-            await scorer.warm_up(model=model)
-            parts["model"] = model
-            changes.append(f"model {current} -> {model.version}")
-            current = model.version
+            if await self._warmed(scorer, model):
+                parts["model"] = model
+                changes.append(f"model {current} -> {model.version}")
+                current = model.version
         if current is not None and current != self._drift_for:
             self._drift_for = current
             parts["drift"] = self._drift(current)
@@ -158,9 +169,9 @@ class Reloader:
                 changes.append(f"shadow {shadow_now} -> none")
             elif self.want_shadow in self._loaded:
                 shadow = self._loaded[self.want_shadow]
-                await scorer.warm_up(model=shadow)
-                parts["shadow"] = shadow
-                changes.append(f"shadow {shadow_now} -> {shadow.version}")
+                if await self._warmed(scorer, shadow):
+                    parts["shadow"] = shadow
+                    changes.append(f"shadow {shadow_now} -> {shadow.version}")
         if self._rules_ready is not None:
             rules, self._rules_ready = self._rules_ready, None
             parts["rules"] = rules
@@ -171,6 +182,18 @@ class Reloader:
         if changes:
             log.info("now serving: %s (swapped between batches)", "; ".join(changes))
         return changes
+
+    async def _warmed(self, scorer: Any, model: ScoringModel) -> bool:
+        """Warm ``model`` up on the scorer's model thread; a model that cannot
+        predict is dropped and not tried again until its pointer changes."""
+        try:
+            await scorer.warm_up(model=model)
+        except Exception as exc:
+            self._loaded.pop(model.version, None)
+            self._failed.add(model.version)
+            log.error("model %s fails to predict; serving what was served (%r)", model.version, exc)
+            return False
+        return True
 
     def _drift(self, version: str) -> DriftMonitor | None:
         reference = load_reference(self.registry / version)

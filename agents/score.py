@@ -309,6 +309,12 @@ class Scorer:
         work, out.shadow = out.shadow, None
         if work is None:
             return
+        try:
+            await self._shadow(out, work)
+        except Exception:  # NOTE: the agent retries emit() on errors: this must never raise
+            log.exception("shadow model %s: batch left without shadow scores", work.model.version)
+
+    async def _shadow(self, out: BatchOutput, work: _ShadowWork) -> None:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:

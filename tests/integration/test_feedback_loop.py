@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,6 @@ import pandas as pd
 import pytest
 import redis
 
-from app.contract import CURRENCY_TO_USD
 from app.materialize import materialize
 from app.replay import read_topic
 from models.registry import current_version, read_manifest

@@ -187,3 +187,30 @@ def test_a_failing_shadow_leaves_feedback_without_it(world: World) -> None:
         assert "shadow" not in orjson.loads(raw) and decisions(out)[0]["action"] == "approve"
 
     asyncio.run(go())
+
+
+def test_a_model_that_fails_while_warming_up_is_not_swapped_in_and_nothing_raises(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Exploding(ConstantModel):
+        def predict(self, matrix: Any) -> Any:
+            raise RuntimeError("cannot predict")
+
+    registry = tmp_path / "registry"
+    registry.mkdir()
+    (registry / "CURRENT").write_text("bad-2\n")
+    rules_path = tmp_path / "rules.json"
+    rules_path.write_text(json.dumps(_rules_doc()))
+
+    async def go() -> None:
+        scorer = make_scorer(world, ConstantModel(0.1, version="good-1"))
+        reloader = Reloader(registry=registry, rules_path=rules_path, model=scorer.model, rules=RULES,
+                            load=lambda r, v: Exploding(version=v), check_every_s=0.0)  # fmt: skip
+        with caplog.at_level(logging.ERROR):
+            for _ in range(20):
+                assert await reloader.apply(scorer) == []
+                await asyncio.sleep(0.02)
+        assert scorer.model.version == "good-1"
+        assert caplog.text.count("bad-2 fails to predict") == 1  # dropped, not retried every batch
+
+    asyncio.run(go())
