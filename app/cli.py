@@ -21,7 +21,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,10 @@ def cmd_rules(args: argparse.Namespace) -> int:
     from app.replay import latest_labels, read_feedback, read_labels
 
     rules = load_rules(args.rules_file)
-    since = datetime.fromisoformat(args.since).timestamp() if args.since else None
+    since = None
+    if args.since:
+        when = datetime.fromisoformat(args.since)
+        since = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
     result = backtest(read_feedback(settings), rules, latest_labels(read_labels(settings)), since)
     print(json.dumps(result.to_dict()) if args.json else format_backtest(result))
     return 0
