@@ -169,7 +169,7 @@ class Reloader:
                 changes.append(f"shadow {shadow_now} -> none")
             elif self.want_shadow in self._loaded:
                 shadow = self._loaded[self.want_shadow]
-                if await self._warmed(scorer, shadow):
+                if await self._warmed(scorer, shadow, shadow=True):
                     parts["shadow"] = shadow
                     changes.append(f"shadow {shadow_now} -> {shadow.version}")
         if self._rules_ready is not None:
@@ -183,11 +183,11 @@ class Reloader:
             log.info("now serving: %s (swapped between batches)", "; ".join(changes))
         return changes
 
-    async def _warmed(self, scorer: Any, model: ScoringModel) -> bool:
-        """Warm ``model`` up on the scorer's model thread; a model that cannot
-        predict is dropped and not tried again until its pointer changes."""
+    async def _warmed(self, scorer: Any, model: ScoringModel, shadow: bool = False) -> bool:
+        """Warm ``model`` up on the thread that will run it; a model that cannot
+        predict is dropped and not tried again."""
         try:
-            await scorer.warm_up(model=model)
+            await scorer.warm_up(model=model, shadow=shadow)
         except Exception as exc:
             self._loaded.pop(model.version, None)
             self._failed.add(model.version)

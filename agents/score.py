@@ -155,6 +155,12 @@ class Scorer:
         # busy, so the next batch also misses and degrades instead of piling up
         # CPU-bound work on 2 cores.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The shadow has a thread of its own: a shadow prediction that overruns
+        # must never queue the next batch's deciding prediction behind it.
+        self._shadow_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow")
+        self._shadow_running: asyncio.Future[Any] | None = None
+        self.shadow_skipped = 0
+        """Batches left without shadow scores because the previous shadow prediction still ran."""
 
     def swap(self, **parts: Any) -> None:
         """Replace ``model``, ``rules``, ``shadow`` and/or ``drift``. Call between
@@ -165,17 +171,20 @@ class Scorer:
                 raise TypeError(f"cannot swap {name!r}")
             setattr(self, name, value)
 
-    async def warm_up(self, batch_sizes: Sequence[int] = (1, 8, 32), model: ScoringModel | None = None) -> None:
+    async def warm_up(
+        self, batch_sizes: Sequence[int] = (1, 8, 32), model: ScoringModel | None = None, shadow: bool = False
+    ) -> None:
         """Predict once per size on the model thread itself, so the first real
         batch does not pay for that thread's lazy setup (it missed the budget).
-        ``model`` warms a model about to be swapped in instead of the served one."""
+        ``model`` warms a model about to be swapped in instead of the served one
+        (``shadow``: on the shadow's thread)."""
         model = model or self.model
         if model is None:
             return
         loop = asyncio.get_running_loop()
         for size in batch_sizes:
             matrix = np.zeros((size, len(FEATURE_NAMES)), dtype=np.float32)
-            await loop.run_in_executor(self._model_thread, model.predict, matrix)
+            await loop.run_in_executor(self._shadow_thread if shadow else self._model_thread, model.predict, matrix)
 
     async def score_batch(self, batch: Sequence[Inbound]) -> BatchOutput:
         try:
@@ -302,9 +311,11 @@ class Scorer:
         have taken with it) plus a ``shadow`` monitoring record.
 
         Called by the agent after the decisions are handed to the producer, so
-        the shadow never delays or changes a decision; it runs on the model
-        thread (one prediction at a time on 2 cores) under its own budget, and
-        a shadow that fails or runs late only leaves the records without it.
+        the shadow never delays or changes a decision. It runs on its own
+        thread, scores only, under the model budget; a shadow that fails or
+        runs late only leaves the records without it, and while a late one is
+        still running the following batches skip the shadow (counted in
+        ``shadow_skipped``) rather than queue behind it.
         """
         work, out.shadow = out.shadow, None
         if work is None:
@@ -316,10 +327,15 @@ class Scorer:
 
     async def _shadow(self, out: BatchOutput, work: _ShadowWork) -> None:
         loop = asyncio.get_running_loop()
+        if self._shadow_running is not None and not self._shadow_running.done():
+            self.shadow_skipped += 1
+            return
         started = time.perf_counter()
         try:
-            future = loop.run_in_executor(self._model_thread, _predict_scores, work.model, work.matrix)
-            scores = await asyncio.wait_for(future, self.model_budget_s)
+            future = loop.run_in_executor(self._shadow_thread, _predict_scores, work.model, work.matrix)
+            self._shadow_running = future
+            # shield: a timeout stops the wait, not the thread; the future tells when it is free again
+            scores = await asyncio.wait_for(asyncio.shield(future), self.model_budget_s)
         except Exception as exc:  # timeouts included: the shadow is optional
             log.warning("shadow model %s gave no scores for a batch (%r)", work.model.version, exc)
             return
@@ -341,6 +357,7 @@ class Scorer:
             "shadow_version": work.model.version,
             "rows": len(work.txs),
             "shadow_ms": shadow_ms,
+            "shadow_skipped_batches": self.shadow_skipped,
             "served_to_shadow_actions": dict(actions),
             "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
         }))  # fmt: skip

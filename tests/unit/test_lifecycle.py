@@ -214,3 +214,21 @@ def test_a_model_that_fails_while_warming_up_is_not_swapped_in_and_nothing_raise
         assert caplog.text.count("bad-2 fails to predict") == 1  # dropped, not retried every batch
 
     asyncio.run(go())
+
+
+def test_a_slow_shadow_never_delays_the_deciding_model_and_is_skipped_while_busy(world: World) -> None:
+    async def go() -> None:
+        # The shadow takes 5x the budget; the served model is instant. Queued
+        # behind the shadow, the second batch's prediction would miss its budget.
+        scorer = make_scorer(world, ConstantModel(0.1), shadow=ConstantModel(0.99, sleep_s=1.0, version="slow"),
+                             model_budget_s=0.2)  # fmt: skip
+        first = await scorer.score_batch([inbound(world.tx(4), world)])
+        await scorer.finish(first)
+        assert "shadow" not in orjson.loads(first.feedback[0][1])  # late: left out
+        second = await scorer.score_batch([inbound(world.tx(5), world)])
+        [d] = decisions(second)
+        assert not d["degraded"] and d["model_version"] == "const-1"
+        await scorer.finish(second)
+        assert scorer.shadow_skipped == 1
+
+    asyncio.run(go())
