@@ -13,6 +13,7 @@ In order (one worker serves the module):
 3. a model promoted mid-stream: decisions switch to its version between two
    batches, never back, and none is lost; drift records (PSI per window of
    100 rows) appear on ``monitoring`` for each model in turn.
+4. a rules file promoted with ``rules promote`` decides the next batches, no restart.
 
 The registry holds the session's trained version and a second version with
 the same boosters but other member weights (the manifest holds the weights,
@@ -343,5 +344,26 @@ def test_a_model_promoted_mid_stream_decides_the_next_batches_and_none_is_lost(l
     drift = [r for r in loop.records(loop.topics.monitoring) if r.get("kind") == "drift"]
     assert {r["model_version"] for r in drift} == {loop.first, SECOND}
     assert all(r["rows"] >= 100 and "score" in r["psi"] and len(r["psi"]) == 6 for r in drift)
-    print(f"\npromotion mid-stream: {t.sent} sent, {t.decided} decided, {t.lost} lost, "
+    print("\nlast drift record:", json.dumps(drift[-1]))
+    print(f"promotion mid-stream: {t.sent} sent, {t.decided} decided, {t.lost} lost, "
           f"{switch} by {loop.first} then {len(versions) - switch} by {SECOND}")  # fmt: skip
+
+
+# --- 4. a rules file promoted while the worker runs -----------------------------------------
+
+
+def test_a_promoted_rules_file_decides_the_next_batches_without_a_restart(loop: Loop) -> None:
+    proposal = loop.workdir / "rules-v3.json"
+    proposal.write_text(json.dumps({**RULES, "version": "rules-feedback-3", "force_review_amount_usd": 100}))
+    entry = json.loads(loop.cli("rules", "promote", str(proposal)))
+    assert (entry["kind"], entry["version"], entry["previous"], entry["by"]) == (
+        "rules", "rules-feedback-3", "rules-feedback-1", "feedback-test")  # fmt: skip
+
+    def decided_by_new_rules() -> dict[str, Any] | None:
+        doc = loop.make_tx(amount=150.0, currency="USD")
+        decision = asyncio.run(_decide(loop, [tx_msg(doc)]))[doc["transaction_id"]]
+        return decision if decision["rules_version"] == "rules-feedback-3" else None
+
+    decision = _wait("a decision under the promoted rules", decided_by_new_rules, loop, timeout=30)
+    assert decision["action"] == "review"  # 150 USD is over the new 100 USD limit
+    assert loop.workers.started[0].alive()
