@@ -32,7 +32,7 @@ from agents.labels import MerchantTally
 from app.contract import Transaction
 from app.errors import RulesError
 
-__all__ = ["RuleOutcome", "RuleSet", "evaluate_rules", "load_rules", "parse_rules"]
+__all__ = ["RULE_IDS", "RuleOutcome", "RuleSet", "evaluate_rules", "load_rules", "parse_rules"]
 
 LIST_FIELDS = ("user_id", "device_id", "merchant_id")
 
@@ -56,6 +56,15 @@ class RuleOutcome:
     action: str
     hits: tuple[str, ...]
     """Rules that decided or shaped the action, in words."""
+    rule: str = "score"
+    """Which rule decided, as a stable id (one of :data:`RULE_IDS`): live quality
+    and backtests are counted per rule."""
+
+
+#: The rule that decided, per evaluation step (quality is kept per rule).
+RULE_IDS = (
+    "block_list", "amount", "confirmed_fraud_merchant", "allow_list", "degraded_amount", "score",
+)  # fmt: skip
 
 
 def load_rules(path: Path) -> RuleSet:
@@ -140,13 +149,13 @@ def evaluate_rules(
     for field in LIST_FIELDS:
         value = getattr(tx, field)
         if value is not None and value in rules.block[field]:
-            return RuleOutcome("decline", (f"blocked {field.removesuffix('_id')} {value}",))
+            return RuleOutcome("decline", (f"blocked {field.removesuffix('_id')} {value}",), "block_list")
     amount = tx.amount_usd
     if amount > rules.force_review_amount_usd:
         hit = f"amount {amount:,.2f} USD over {rules.force_review_amount_usd:,.0f}: forced review"
         if score is not None and score >= rules.decline_threshold:
-            return RuleOutcome("decline", (hit,))
-        return RuleOutcome("review", (hit,))
+            return RuleOutcome("decline", (hit,), "amount")
+        return RuleOutcome("review", (hit,), "amount")
     if (
         rules.merchant_min_frauds
         and merchant is not None
@@ -155,18 +164,20 @@ def evaluate_rules(
     ):
         hit = f"merchant {tx.merchant_id} has {merchant.fraud} confirmed frauds ({merchant.fraud_share:.0%} of its labels)"
         if score is not None and score >= rules.decline_threshold:
-            return RuleOutcome("decline", (hit,))
-        return RuleOutcome("review", (hit,))
+            return RuleOutcome("decline", (hit,), "confirmed_fraud_merchant")
+        return RuleOutcome("review", (hit,), "confirmed_fraud_merchant")
     for field in LIST_FIELDS:
         value = getattr(tx, field)
         if value is not None and value in rules.allow[field]:
-            return RuleOutcome("approve", (f"allowed {field.removesuffix('_id')} {value}",))
+            return RuleOutcome("approve", (f"allowed {field.removesuffix('_id')} {value}",), "allow_list")
     if score is None:
         if amount > rules.degraded_review_amount_usd:
             return RuleOutcome(
-                "review", (f"no model score: amount {amount:,.2f} USD over {rules.degraded_review_amount_usd:,.0f}",)
+                "review",
+                (f"no model score: amount {amount:,.2f} USD over {rules.degraded_review_amount_usd:,.0f}",),
+                "degraded_amount",
             )
-        return RuleOutcome("approve", ())
+        return RuleOutcome("approve", (), "degraded_amount")
     if score >= rules.decline_threshold:
         return RuleOutcome("decline", (f"score {score:.3f} at or above decline threshold {rules.decline_threshold}",))
     if score >= rules.review_threshold:

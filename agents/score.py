@@ -35,6 +35,7 @@ from agents.admission import Admission
 from agents.auth import UNSIGNED, AuthResult
 from agents.cache import DecisionCache, content_hash
 from agents.decide import explain
+from agents.drift import DriftMonitor
 from agents.feature_store import Enrichment, FeatureStore
 from agents.labels import MerchantTally
 from agents.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
@@ -84,6 +85,22 @@ class BatchOutput:
     feedback: list[tuple[bytes, bytes]] = field(default_factory=list)
     monitoring: bytes | None = None
     to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
+    extra_monitoring: list[bytes] = field(default_factory=list)
+    """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
+    shadow: _ShadowWork | None = None
+    """The shadow model's share of this batch, done by :meth:`Scorer.finish`."""
+
+
+@dataclass
+class _ShadowWork:
+    model: ScoringModel
+    matrix: np.ndarray
+    txs: list[Transaction]
+    tallies: list[MerchantTally | None]
+    feedback_at: list[int]
+    """Index in ``BatchOutput.feedback`` of each row's record."""
+    docs: list[dict[str, Any]]
+    """Those feedback records, unserialised, to add the shadow's verdict to."""
 
 
 class _Clock:
@@ -116,8 +133,14 @@ class Scorer:
         wall_clock: Callable[[], float] = time.time,
         merchant_tally: Callable[[str], MerchantTally | None] = lambda merchant_id: None,
         admission: Admission | None = None,
+        shadow: ScoringModel | None = None,
+        drift: DriftMonitor | None = None,
     ) -> None:
         self.model = model
+        #: A candidate scored on the same rows after the batch is decided; never decides.
+        self.shadow = shadow
+        #: PSI of served scores and top features against the model's training reference.
+        self.drift = drift
         self.rules = rules
         self.store = store
         self.cache = cache
@@ -132,16 +155,36 @@ class Scorer:
         # busy, so the next batch also misses and degrades instead of piling up
         # CPU-bound work on 2 cores.
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The shadow has a thread of its own: a shadow prediction that overruns
+        # must never queue the next batch's deciding prediction behind it.
+        self._shadow_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow")
+        self._shadow_running: asyncio.Future[Any] | None = None
+        self.shadow_skipped = 0
+        """Batches left without shadow scores because the previous shadow prediction still ran."""
 
-    async def warm_up(self, batch_sizes: Sequence[int] = (1, 8, 32)) -> None:
+    def swap(self, **parts: Any) -> None:
+        """Replace ``model``, ``rules``, ``shadow`` and/or ``drift``. Call between
+        batches only (the agent does): a batch reads each of them several times
+        and must see one version throughout."""
+        for name, value in parts.items():
+            if name not in ("model", "rules", "shadow", "drift"):
+                raise TypeError(f"cannot swap {name!r}")
+            setattr(self, name, value)
+
+    async def warm_up(
+        self, batch_sizes: Sequence[int] = (1, 8, 32), model: ScoringModel | None = None, shadow: bool = False
+    ) -> None:
         """Predict once per size on the model thread itself, so the first real
-        batch does not pay for that thread's lazy setup (it missed the budget)."""
-        if self.model is None:
+        batch does not pay for that thread's lazy setup (it missed the budget).
+        ``model`` warms a model about to be swapped in instead of the served one
+        (``shadow``: on the shadow's thread)."""
+        model = model or self.model
+        if model is None:
             return
         loop = asyncio.get_running_loop()
         for size in batch_sizes:
             matrix = np.zeros((size, len(FEATURE_NAMES)), dtype=np.float32)
-            await loop.run_in_executor(self._model_thread, self.model.predict, matrix)
+            await loop.run_in_executor(self._shadow_thread if shadow else self._model_thread, model.predict, matrix)
 
     async def score_batch(self, batch: Sequence[Inbound]) -> BatchOutput:
         try:
@@ -199,8 +242,9 @@ class Scorer:
 
         # 4. ensemble under its budget
         prediction = None
-        if rows and self.model is not None:
-            prediction, degraded_reason = await self._predict(feature_matrix(rows))
+        matrix = feature_matrix(rows) if rows else None
+        if matrix is not None and self.model is not None:
+            prediction, degraded_reason = await self._predict(matrix)
         elif txs and self.model is None:
             degraded_reason = degraded_reason or "no model loaded"
         clock.lap("model")
@@ -208,19 +252,23 @@ class Scorer:
         # 5. rules and the decision
         scores = prediction.scores if prediction is not None else None
         drafts = []
+        tallies: list[MerchantTally | None] = []
         for i, (msg, tx) in enumerate(fresh):
             score = float(scores[i]) if scores is not None else None
-            outcome = evaluate_rules(self.rules, tx, score, self._tally(tx.merchant_id))
+            tally = self._tally(tx.merchant_id)
+            tallies.append(tally)
+            outcome = evaluate_rules(self.rules, tx, score, tally)
             reasons = prediction.reasons[i] if prediction is not None and prediction.reasons else []
             words = explain(reasons, rows[i], outcome.hits) if rows else list(outcome.hits)
             if score is None:
                 words.append(f"degraded: {degraded_reason}")
-            drafts.append((msg, tx, score, outcome.action, words))
+            drafts.append((msg, tx, score, outcome.action, words, outcome.rule))
         clock.lap("rules")
 
         decided = self.wall_clock()
         records: list[dict[str, Any]] = []
-        for i, (msg, tx, score, action, words) in enumerate(drafts):
+        feedback_docs: list[dict[str, Any]] = []
+        for i, (msg, tx, score, action, words, rule) in enumerate(drafts):
             enrichment = enrichments[i] if enrichments else None
             decision = Decision(
                 transaction_id=tx.transaction_id,
@@ -240,14 +288,79 @@ class Scorer:
             records.append(record)
             out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
             out.to_cache.append((tx, record))
-            out.feedback.append((tx.transaction_id.encode(), self._feedback(tx, record, rows[i] if rows else None)))
+            doc = self._feedback(tx, record, rows[i] if rows else None, rule, tallies[i])
+            feedback_docs.append(doc)
+            out.feedback.append((tx.transaction_id.encode(), orjson.dumps(doc)))
             stats[action] += 1
             stats["degraded"] += score is None
         for msg, tx, leader in followers:  # resent within this very batch
             self._emit_cached(out, msg, tx, records[leader], clock)
             stats["cached"] += 1
         out.monitoring = self._monitoring(stats, clock, scores)
+        if self.drift is not None and scores is not None and matrix is not None:
+            window = self.drift.observe(matrix, scores)
+            if window is not None:
+                out.extra_monitoring.append(orjson.dumps({**window, "at": self.wall_clock()}))
+        if self.shadow is not None and matrix is not None:
+            out.shadow = _ShadowWork(self.shadow, matrix, txs, tallies, list(range(len(out.feedback))), feedback_docs)
         return out
+
+    async def finish(self, out: BatchOutput) -> None:
+        """Score the batch with the shadow model and add its verdict to the
+        feedback records (``shadow``: version, score, the action the rules would
+        have taken with it) plus a ``shadow`` monitoring record.
+
+        Called by the agent after the decisions are handed to the producer, so
+        the shadow never delays or changes a decision. It runs on its own
+        thread, scores only, under the model budget; a shadow that fails or
+        runs late only leaves the records without it, and while a late one is
+        still running the following batches skip the shadow (counted in
+        ``shadow_skipped``) rather than queue behind it.
+        """
+        work, out.shadow = out.shadow, None
+        if work is None:
+            return
+        try:
+            await self._shadow(out, work)
+        except Exception:  # NOTE: the agent retries emit() on errors: this must never raise
+            log.exception("shadow model %s: batch left without shadow scores", work.model.version)
+
+    async def _shadow(self, out: BatchOutput, work: _ShadowWork) -> None:
+        loop = asyncio.get_running_loop()
+        if self._shadow_running is not None and not self._shadow_running.done():
+            self.shadow_skipped += 1
+            return
+        started = time.perf_counter()
+        try:
+            future = loop.run_in_executor(self._shadow_thread, _predict_scores, work.model, work.matrix)
+            self._shadow_running = future
+            # shield: a timeout stops the wait, not the thread; the future tells when it is free again
+            scores = await asyncio.wait_for(asyncio.shield(future), self.model_budget_s)
+        except Exception as exc:  # timeouts included: the shadow is optional
+            log.warning("shadow model %s gave no scores for a batch (%r)", work.model.version, exc)
+            return
+        shadow_ms = round((time.perf_counter() - started) * 1000, 3)
+        actions: Counter[str] = Counter()
+        for i, (tx, tally) in enumerate(zip(work.txs, work.tallies)):
+            score = float(scores[i])
+            doc = work.docs[i]
+            action = evaluate_rules(self.rules, tx, score, tally).action
+            actions[f"{doc['decision']['action']}->{action}"] += 1
+            doc["shadow"] = {"model_version": work.model.version, "fraud_score": round(score, 6), "action": action}
+            key, _ = out.feedback[work.feedback_at[i]]
+            out.feedback[work.feedback_at[i]] = (key, orjson.dumps(doc))
+        hist = np.histogram(scores, SCORE_BINS)[0].tolist()
+        out.extra_monitoring.append(orjson.dumps({
+            "kind": "shadow",
+            "at": self.wall_clock(),
+            "model_version": self.model.version if self.model else None,
+            "shadow_version": work.model.version,
+            "rows": len(work.txs),
+            "shadow_ms": shadow_ms,
+            "shadow_skipped_batches": self.shadow_skipped,
+            "served_to_shadow_actions": dict(actions),
+            "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+        }))  # fmt: skip
 
     async def _admit(
         self,
@@ -421,16 +534,26 @@ class Scorer:
             self._reject(out, msg, why, now)
         return out
 
-    def _feedback(self, tx: Transaction, decision: dict[str, Any], row: list[float] | None) -> bytes:
+    def _feedback(
+        self,
+        tx: Transaction,
+        decision: dict[str, Any],
+        row: list[float] | None,
+        rule: str,
+        tally: MerchantTally | None,
+    ) -> dict[str, Any]:
+        """Everything needed later to judge, retrain on and backtest this
+        decision: the served vector, the transaction, the rule that decided and
+        the merchant tally the rules saw."""
         features = None if row is None else {n: (None if math.isnan(v) else v) for n, v in zip(FEATURE_NAMES, row)}
-        return orjson.dumps(
-            {
-                "decision": decision,
-                "transaction": {f: getattr(tx, f) for f in tx.__slots__},
-                "feature_set": FEATURE_SET_VERSION,
-                "features": features,
-            }
-        )
+        return {
+            "decision": decision,
+            "transaction": {f: getattr(tx, f) for f in tx.__slots__},
+            "feature_set": FEATURE_SET_VERSION,
+            "features": features,
+            "rule": rule,
+            "merchant_tally": {"fraud": tally.fraud, "legit": tally.legit} if tally is not None else None,
+        }
 
     def _monitoring(self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None) -> bytes:
         hist = np.histogram(scores, SCORE_BINS)[0].tolist() if scores is not None and len(scores) else []
@@ -440,11 +563,20 @@ class Scorer:
                 "at": self.wall_clock(),
                 "model_version": self.model.version if self.model else None,
                 "rules_version": self.rules.version,
+                "shadow_version": self.shadow.version if self.shadow else None,
                 "counts": dict(stats),
                 "stage_ms": clock.ms,
                 "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
             }
         )
+
+
+def _predict_scores(model: ScoringModel, matrix: np.ndarray) -> np.ndarray:
+    """Scores only: a shadow needs no explanations (a third of the ensemble's time)."""
+    try:
+        return model.predict(matrix, explain=False).scores  # type: ignore[call-arg]
+    except TypeError:  # a model without the option
+        return model.predict(matrix).scores
 
 
 def clock_start_wall(clock: _Clock, decided_wall: float) -> float:

@@ -2,7 +2,10 @@
 
     simulate      generate labelled transactions (Parquet)
     materialize   write profile and merchant features to Redis
-    train         train, evaluate and register the ensemble
+    train         train, evaluate and register the ensemble (--from-feedback: from served vectors + labels)
+    models        list | promote | rollback | shadow: which version decides, recorded with who/when
+    rules         backtest a rules file on replayed feedback; promote it to the workers
+    report        quality: live precision/recall per model version and rule
     worker        run a scoring worker (a faust worker)
     loadgen       produce live transactions at a fixed rate and measure decisions
     topics        create the topics with their partition counts
@@ -19,7 +22,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,8 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.from_feedback:
+        return _train_from_feedback(args)
     import pandas as pd
 
     from app.settings import get_settings
@@ -90,6 +95,116 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"Handbook XGBoost (test week): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
     )
     print(f"report: {result.folder / 'report' / 'curves.png'}")
+    return 0
+
+
+def _train_from_feedback(args: argparse.Namespace) -> int:
+    from app.replay import latest_labels, read_feedback, read_labels
+    from app.settings import get_settings
+    from models.from_feedback import feedback_training_set, train_from_feedback
+    from models.training import TrainConfig, format_metrics
+
+    settings = get_settings()
+    feedback = read_feedback(settings)
+    labels = latest_labels(read_labels(settings))
+    data = feedback_training_set(feedback, labels)
+    print(f"read {len(feedback):,} feedback records and {len(labels):,} labelled transactions; "
+          f"{len(data.labels):,} training rows ({int(data.labels.sum()):,} fraud); skipped {data.skipped}")  # fmt: skip
+    try:
+        result = train_from_feedback(
+            data, settings.registry_dir, TrainConfig(rounds_scale=args.rounds_scale), test_share=args.test_share,
+            min_rows=args.min_rows,
+        )
+    except ValueError as exc:
+        print(f"fraud-pipeline train --from-feedback: {exc}", file=sys.stderr)
+        return 2
+    print(f"registered {result.version} in {result.folder} (not serving: "
+          f"`fraud-pipeline models shadow {result.version}` or `models promote {result.version}`)")  # fmt: skip
+    print(format_metrics(result.metrics))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
+    from models import lifecycle
+    from models.registry import current_version, list_versions, read_manifest
+
+    registry = get_settings().registry_dir
+    if args.action == "promote":
+        entry = lifecycle.promote(registry, args.version, by=args.by, reason=args.reason)
+    elif args.action == "rollback":
+        entry = lifecycle.rollback(registry, by=args.by, reason=args.reason)
+    elif args.action == "shadow":
+        entry = lifecycle.set_shadow(registry, None if args.version in (None, "off") else args.version, by=args.by)
+    else:
+        current, shadow = current_version(registry), lifecycle.shadow_version(registry)
+        for version in list_versions(registry):
+            manifest = read_manifest(registry, version)
+            ens = manifest.get("metrics", {}).get("ensemble", {})
+            role = "serving" if version == current else "shadow" if version == shadow else ""
+            source = manifest.get("data_window", {}).get("source", "history")
+            print(f"{version:<20} {role:<8} AUC {ens.get('auc', float('nan')):.3f}  AP {ens.get('ap', float('nan')):.3f}"
+                  f"  trained from {source}")  # fmt: skip
+        for entry in lifecycle.history(registry)[-args.last:]:
+            print("  " + json.dumps(entry))
+        return 0
+    print(json.dumps(entry))
+    return 0
+
+
+def cmd_rules(args: argparse.Namespace) -> int:
+    from agents.backtest import backtest, format_backtest
+    from agents.rules import load_rules
+    from app.settings import get_settings
+
+    settings = get_settings()
+    if args.action == "promote":
+        from models.lifecycle import promote_rules
+
+        print(json.dumps(promote_rules(settings.registry_dir, args.rules_file, settings.rules_path, by=args.by)))
+        return 0
+    from app.replay import latest_labels, read_feedback, read_labels
+
+    rules = load_rules(args.rules_file)
+    since = None
+    if args.since:
+        when = datetime.fromisoformat(args.since)
+        since = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    result = backtest(read_feedback(settings), rules, latest_labels(read_labels(settings)), since)
+    print(json.dumps(result.to_dict()) if args.json else format_backtest(result))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from agents.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
+    from app.feedback_loop import quality_prefix
+    from app.settings import get_settings
+
+    settings = get_settings()
+    if args.replay:
+        from app.replay import read_feedback, read_labels
+
+        ledger = JoinLedger(window_s=float("inf"))
+        for doc in read_feedback(settings):
+            served = served_from_feedback(doc)
+            if served is not None:
+                ledger.add_served(served)
+        for label in sorted(read_labels(settings), key=lambda lb: lb.labeled_at):
+            ledger.add_label(label)
+        report = quality_report(ledger.joined.values(), ledger.decided)
+    else:
+        import redis.asyncio as aioredis
+
+        async def snapshot() -> Any:
+            client = aioredis.Redis.from_url(settings.redis_url)
+            try:
+                return await RedisQualityStore(client, prefix=quality_prefix(settings)).snapshot()
+            finally:
+                await client.aclose()
+
+        joined, decided = asyncio.run(snapshot())
+        report = quality_report(joined, decided)
+    print(json.dumps(report, indent=2) if args.json else format_quality(report))
     return 0
 
 
@@ -134,7 +249,7 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
 
     cfg = LoadConfig(
         rate=args.rate, duration_s=args.duration, data=args.data, fraud_rate=args.fraud_rate,
-        seed=args.seed, report_every_s=args.every,
+        seed=args.seed, report_every_s=args.every, label_share=args.labels,
     )
     summary = asyncio.run(run_load(cfg))
     if args.json:
@@ -221,7 +336,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-days", type=int, default=7)
     p.add_argument("--test-days", type=int, default=7)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--from-feedback", action="store_true",
+                   help="train on the served feature vectors in `feedback` joined with `labels` (registered, not served)")
+    p.add_argument("--test-share", type=float, default=0.25, help="--from-feedback: newest share held out for evaluation")
+    p.add_argument("--min-rows", type=int, default=200, help="--from-feedback: refuse to train on fewer labelled rows")
+    p.add_argument("--rounds-scale", type=float, default=1.0, help="multiply each member's boosting rounds")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("models", help="list, promote, roll back or shadow model versions")
+    p.add_argument("action", choices=["list", "promote", "rollback", "shadow"])
+    p.add_argument("version", nargs="?", help="promote/shadow: the version (shadow off: stop the shadow)")
+    p.add_argument("--by", help="who (default $USER)")
+    p.add_argument("--reason", help="recorded with the change")
+    p.add_argument("--last", type=int, default=10, help="list: history lines to show")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("rules", help="backtest a rules file on replayed feedback, or promote it")
+    p.add_argument("action", choices=["backtest", "promote"])
+    p.add_argument("rules_file", type=Path)
+    p.add_argument("--since", help="backtest: decisions at or after this ISO time (UTC if no offset)")
+    p.add_argument("--by", help="promote: who (default $USER)")
+    p.add_argument("--json", action="store_true", help="backtest: machine-readable summary")
+    p.set_defaults(func=cmd_rules)
+
+    p = sub.add_parser("report", help="reports: quality per model version and rule")
+    p.add_argument("what", choices=["quality"])
+    p.add_argument("--replay", action="store_true",
+                   help="recompute from the feedback and labels topics (offset 0) instead of the workers' Redis state")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("worker", help="run a scoring worker")
     p.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
@@ -237,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--every", type=float, default=1.0, help="seconds between progress lines")
     p.add_argument("--json", help="write the summary here")
+    p.add_argument("--labels", type=float, default=0.0,
+                   help="share of transactions also labelled with the simulator's ground truth (feedback loop demos)")
     p.set_defaults(func=cmd_loadgen)
 
     p = sub.add_parser("keys", help="create a producer client key (HMAC signing)")

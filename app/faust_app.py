@@ -26,12 +26,14 @@ from agents.auth import ClientKeys, RedisReplayGuard
 from agents.cache import RedisDecisionCache
 from agents.feature_store import RedisFeatureStore
 from agents.ratelimit import RedisRateLimiter
+from agents.reload import Reloader
 from agents.labels import MerchantTally, parse_label
 from agents.rules import RuleSet, load_rules
 from agents.score import BatchOutput, Inbound, Scorer
 from agents.validate import Limits
 from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
+from app.feedback_loop import install_feedback_loop
 from app.metrics import WorkerMetrics
 from app.settings import Settings
 from app.topics import kafka_auth
@@ -114,6 +116,19 @@ class Runtime:
             merchant_tally=merchant_tally,
         )
 
+
+    def reloader(self) -> Reloader:
+        s = self.settings
+        return Reloader(
+            registry=s.registry_dir,
+            rules_path=s.rules_path,
+            pinned_version=s.model_version,
+            model=self.model,
+            rules=self.rules,
+            check_every_s=s.reload_check_s,
+            drift_window_rows=s.drift_window_rows,
+            drift_warn_psi=s.drift_warn_psi,
+        )
 
     def admission(self, client: Any) -> Admission:
         s = self.settings
@@ -229,10 +244,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         # Enqueue everything first, then await the decisions' deliveries together.
         pending = [await decisions.send(key=k, value=v) for k, v in output.decisions]
         pending += [await dead_letters.send(key=k, value=v) for k, v in output.dead_letters]
+        await scorer.finish(output)  # the shadow model, after the decisions are on their way
         for k, v in output.feedback:
             await feedback.send(key=k, value=v)
         if output.monitoring is not None:
             await monitoring.send(value=output.monitoring)
+        for v in output.extra_monitoring:
+            await monitoring.send(value=v)
         await asyncio.gather(*pending)
         if output.to_cache:
             # NOTE: awaited before the next batch is taken: a resend one batch
@@ -243,10 +261,19 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             except Exception as exc:
                 log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
 
+    reloader = runtime.reloader()
+
+    @app.timer(settings.reload_check_s)
+    async def watch_registry() -> None:  # loads in the background; swaps happen in the agent
+        await reloader.poll()
+
+    install_feedback_loop(app, settings, feedback=feedback, labels=labels, monitoring=monitoring)
+
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
         scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         await scorer.warm_up()
+        await reloader.apply(scorer)  # the shadow and drift reference, if any
         size, within = settings.batch_size, settings.batch_window_s
         try:
             async for events in stream.take_events(size, within=within):
@@ -254,6 +281,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 admitted = await commits.admit(events)
                 if admitted.events:
                     batch = [_inbound(event) for event in admitted.events]
+                    await reloader.apply(scorer)  # a promoted model or rules, between batches
                     output = await scorer.score_batch(batch)
                     await _deliver(emit, scorer, output)
                     metrics.observe_batch(batch, output, started)

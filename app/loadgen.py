@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,10 @@ class LoadConfig:
     warmup_s: float = 0.0
     """Transactions sent in the first ``warmup_s`` seconds get decisions but are
     left out of the latency percentiles, stage breakdown and achieved rate."""
+    label_share: float = 0.0
+    """Share of transactions also labelled on ``labels`` with the simulator's ground
+    truth (fraud as a chargeback, legit as an analyst verdict): drives the feedback
+    loop (live quality, ``train --from-feedback``) in demos."""
     sample: Callable[[], dict[str, float]] | None = None
     """Called at each report tick, at the end of the warm-up and when sending
     ends; what it returns is stored in that ``timeline`` entry."""
@@ -144,6 +148,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
 
         async def produce() -> int:
             rng = np.random.default_rng(cfg.seed + 1)
+            label_rng = np.random.default_rng(cfg.seed + 2)
             start = time.monotonic()
             next_at = start
             count = 0
@@ -170,6 +175,12 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
                     headers=[("correlation-id", correlation.encode()), *signer(value)],
                 )
                 count += 1
+                if cfg.label_share and label_rng.random() < cfg.label_share:
+                    fraud = source.last_scenario != "legit"
+                    label = {"transaction_id": tx["transaction_id"], "label": "fraud" if fraud else "legit",
+                             "source": "chargeback" if fraud else "analyst",
+                             "labeled_at": datetime.now(UTC).isoformat(), "merchant_id": tx["merchant_id"]}  # fmt: skip
+                    await producer.send(s.topic_labels, orjson.dumps(label), key=tx["transaction_id"].encode())
                 next_at += float(rng.exponential(1.0 / cfg.rate))
             await producer.flush()
             snapshot("send_end")

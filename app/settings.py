@@ -146,6 +146,30 @@ class Settings(BaseSettings):
     max_age_s: float = 86400.0
     """Transactions older than this are rejected (the velocity window)."""
 
+    # --- feedback loop and model lifecycle (docs/feedback-loop.md) --------
+    reload_check_s: float = 1.0
+    """How often a worker reads the registry pointers (CURRENT, SHADOW) and the
+    rules file's mtime; a change is loaded in the background and swapped in
+    between batches."""
+
+    quality_enabled: bool = True
+    """Join labels with feedback in Redis and publish quality to ``monitoring``."""
+
+    quality_every_s: float = 60.0
+    """Seconds between ``quality`` records on ``monitoring`` (the group leader sends them)."""
+
+    quality_join_window_s: int = 120 * 86400
+    """How long a decision waits in Redis for its label (chargebacks take months)."""
+
+    quality_max_joined: int = 200_000
+    """Joined (decision, label) rows kept for the live figures; the oldest go first."""
+
+    drift_window_rows: int = 2000
+    """Scored rows per drift window (one ``drift`` record on ``monitoring`` each)."""
+
+    drift_warn_psi: float = 0.25
+    """PSI above which a drift record is flagged and a warning logged."""
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -26,6 +26,7 @@ recorded in the manifest.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,12 @@ import numpy as np
 import pandas as pd
 import xgboost as xgb
 
+from agents.drift import build_reference, top_features, write_reference
 from agents.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
 from models.evaluation import evaluate_scores, write_report
 from models.registry import MemberArtifact, new_version_name, save_version
 
-__all__ = ["MEMBER_SPECS", "TrainConfig", "TrainResult", "train"]
+__all__ = ["MEMBER_SPECS", "TrainConfig", "TrainResult", "fit_and_register", "train"]
 
 MERCHANT_FEATURES = frozenset(n for n in FEATURE_NAMES if n.startswith("merchant_"))
 
@@ -108,9 +110,36 @@ def train(
         )
     x_train, y_train, _ = training_matrix(history, train_start, train_end, progress)
     x_test, y_test, test_rows = training_matrix(history, test_start, end, progress)
+    window = {
+        "train": [_iso(train_start), _iso(train_end)],
+        "delay_days": cfg.delay_days,
+        "test": [_iso(test_start), _iso(end)],
+    }
+    return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg)
 
+
+def fit_and_register(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    test_rows: pd.DataFrame,
+    features: list[str],
+    window: dict[str, Any],
+    registry: Path,
+    cfg: TrainConfig = TrainConfig(),
+    *,
+    make_current: bool = True,
+) -> TrainResult:
+    """Fit the members on the train matrix, evaluate on the test matrix and register.
+
+    The one training path: ``train`` (from the simulated history) and
+    ``train --from-feedback`` (served vectors joined with labels) both end here.
+    ``test_rows`` needs ``user_id``, ``ts`` and ``label`` (card precision).
+    """
     artifacts: list[MemberArtifact] = []
     member_scores: dict[str, np.ndarray] = {}
+    importance: dict[str, float] = {}
     for spec in MEMBER_SPECS:
         names = [n for n in features if n not in spec["exclude"]]
         idx = [FEATURE_NAMES.index(n) for n in names]
@@ -118,6 +147,10 @@ def train(
         dtrain = xgb.DMatrix(x_train[:, idx], label=y_train, feature_names=names, missing=np.nan)
         rounds = max(10, int(spec["rounds"] * cfg.rounds_scale))
         booster = xgb.train(params, dtrain, num_boost_round=rounds)
+        gains = booster.get_score(importance_type="total_gain")
+        total_gain = sum(gains.values()) or 1.0
+        for name, gain in gains.items():  # each member's say, as in the ensemble
+            importance[name] = importance.get(name, 0.0) + spec["weight"] * gain / total_gain
         booster.feature_names = None  # the manifest holds names; serving passes bare matrices
         member_scores[spec["name"]] = booster.inplace_predict(x_test[:, idx])
         artifacts.append(MemberArtifact(spec["name"], booster, spec["weight"], names, {**params, "rounds": rounds}))
@@ -129,9 +162,7 @@ def train(
         metrics[name] = evaluate_scores(y_test, scores, test_rows)
     thresholds = suggest_thresholds(y_test, ensemble_scores)
     window = {
-        "train": [_iso(train_start), _iso(train_end)],
-        "delay_days": cfg.delay_days,
-        "test": [_iso(test_start), _iso(end)],
+        **window,
         "train_rows": int(len(y_train)),
         "train_frauds": int(y_train.sum()),
         "test_rows": int(len(y_test)),
@@ -139,8 +170,13 @@ def train(
         "features": features,
     }
     version = new_version_name()
+    while (registry / version).exists():  # two trainings in one second
+        time.sleep(1.0)
+        version = new_version_name()
     folder = registry / version
     report_files = write_report(folder / "report", y_test, ensemble_scores, member_scores, metrics, window)
+    # The drift reference: the test window, scored out of sample like live traffic.
+    reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
     saved = save_version(
         registry,
         version,
@@ -148,7 +184,8 @@ def train(
         thresholds=thresholds,
         metrics=metrics,
         data_window=window,
-        extra_files=report_files,
+        extra_files=[*report_files, reference],
+        make_current=make_current,
     )
     return TrainResult(version, saved, metrics)
 

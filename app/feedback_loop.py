@@ -1,0 +1,112 @@
+"""The feedback loop's agents: live quality from labels joined with feedback.
+
+Two plain agents (``take`` batches, no scoring work) feed
+:class:`agents.quality.RedisQualityStore`: one reads ``feedback`` (one record
+per fresh decision), one reads ``labels``. The group leader publishes a
+``quality`` record to ``monitoring`` every ``quality_every_s``. Kept out of the
+scoring agent: nothing here is on the decision path, and a Redis hiccup here
+costs a few quality counts, never a decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import faust
+import orjson
+
+from agents.labels import Label, parse_label
+from agents.quality import RedisQualityStore, quality_report, served_from_feedback
+from app.settings import Settings
+
+__all__ = ["install_feedback_loop", "quality_prefix"]
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+WITHIN_S = 1.0
+ATTEMPTS = 3
+
+
+def quality_prefix(settings: Settings) -> str:
+    """Redis keys of one deployment (one app id = one consumer group), so two
+    deployments on one Redis, or parallel test workers, never mix their figures."""
+    return f"quality:{settings.app_id}:"
+
+
+def install_feedback_loop(
+    app: faust.App, settings: Settings, *, feedback: Any, labels: Any, monitoring: Any
+) -> None:
+    if not settings.quality_enabled:
+        return
+    state: dict[str, RedisQualityStore] = {}
+
+    def store() -> RedisQualityStore:
+        # The client needs the running loop: made on first use, inside an agent.
+        if "store" not in state:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            state["store"] = RedisQualityStore(
+                client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined,
+                prefix=quality_prefix(settings),
+            )
+        return state["store"]
+
+    async def retried(what: str, call: Any, items: list[Any]) -> None:
+        # NOTE: nothing may escape a take() body (faust would ack the batches
+        # behind it unprocessed); after the retries the batch is given up, loudly.
+        delay = 0.2
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                await call(items)
+                return
+            except Exception as exc:
+                if attempt == ATTEMPTS:
+                    log.warning("quality: %d %s not recorded (%r)", len(items), what, exc)
+                    return
+                await asyncio.sleep(delay)
+                delay *= 2
+
+    @app.agent(feedback, name="quality-feedback")
+    async def quality_feedback(stream: faust.StreamT) -> None:
+        async for values in stream.take(BATCH, within=WITHIN_S):
+            served = []
+            for raw in values:
+                try:
+                    item = served_from_feedback(orjson.loads(raw))
+                except (orjson.JSONDecodeError, TypeError, ValueError):
+                    item = None
+                if item is not None:
+                    served.append(item)
+            await retried("decisions", store().add_served, served)
+
+    @app.agent(labels, name="quality-labels")
+    async def quality_labels(stream: faust.StreamT) -> None:
+        async for values in stream.take(BATCH, within=WITHIN_S):
+            now = time.time()
+            parsed = []
+            for raw in values:
+                label = parse_label(raw)
+                if isinstance(label, str):
+                    log.warning("quality: label ignored: %s", label)
+                    continue
+                if not label.labeled_at:  # no time given: when it reached us
+                    label = Label(label.transaction_id, label.label, label.source, now, label.merchant_id)
+                parsed.append(label)
+            await retried("labels", store().add_labels, parsed)
+
+    @app.timer(settings.quality_every_s, on_leader=True)
+    async def publish_quality() -> None:
+        try:
+            joined, decided = await store().snapshot()
+        except Exception as exc:
+            log.warning("quality: reading the live figures failed (%r)", exc)
+            return
+        if not decided and not joined:
+            return
+        record = {"kind": "quality", "at": time.time(), **quality_report(joined, decided)}
+        await monitoring.send(value=orjson.dumps(record))

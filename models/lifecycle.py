@@ -1,0 +1,126 @@
+"""Promotion, rollback and shadow: which version serves, who said so, and when.
+
+The control path is the registry folder itself, watched by every worker
+(:mod:`agents.reload`):
+
+    <registry>/CURRENT            the version that decides (atomic rename)
+    <registry>/SHADOW             the version scored alongside it, never deciding (absent: none)
+    <registry>/promotions.jsonl   one JSON line per change: at, action, version, previous, by
+
+Rules go the same way: ``rules promote FILE`` validates the file, replaces the
+served rules file atomically and logs a line here; workers reload it between
+batches. The pointer moves first, then the log line is appended: the pointer is
+the truth and the log its history, so a crash between the two leaves a change
+without its line, never a line for a change that did not happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from agents.rules import load_rules
+from app.errors import ModelError, ModelNotFound
+from models.registry import current_version, list_versions, read_manifest, set_current, verify
+
+__all__ = ["history", "promote", "promote_rules", "rollback", "set_shadow", "shadow_version"]
+
+PROMOTIONS = "promotions.jsonl"
+SHADOW = "SHADOW"
+
+
+def _now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def who(by: str | None) -> str:
+    return by or os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown"
+
+
+def _log(registry: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    entry = {"at": _now_iso(), **entry}
+    with open(registry / PROMOTIONS, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry, sort_keys=False) + "\n")
+    return entry
+
+
+def history(registry: Path) -> list[dict[str, Any]]:
+    path = registry / PROMOTIONS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _checked(registry: Path, version: str) -> None:
+    """Refuse a version that a worker would refuse: missing, bad checksum, other feature set."""
+    if version not in list_versions(registry):
+        raise ModelNotFound(registry, version)
+    verify(registry / version, read_manifest(registry, version))
+
+
+def promote(registry: Path, version: str, *, by: str | None = None, reason: str | None = None) -> dict[str, Any]:
+    """Make ``version`` the deciding model; returns the log entry."""
+    _checked(registry, version)
+    previous = _current_or_none(registry)
+    set_current(registry, version)
+    if shadow_version(registry) == version:  # the shadow became the model: nothing left to compare
+        (registry / SHADOW).unlink(missing_ok=True)
+    return _log(registry, {"action": "promote", "kind": "model", "version": version, "previous": previous,
+                           "by": who(by), "reason": reason})  # fmt: skip
+
+
+def rollback(registry: Path, *, by: str | None = None, reason: str | None = None) -> dict[str, Any]:
+    """Serve the version that the current one replaced (per the log)."""
+    current = _current_or_none(registry)
+    entries = [e for e in history(registry) if e.get("kind", "model") == "model" and e["action"] in ("promote", "rollback")]
+    previous = next((e.get("previous") for e in reversed(entries) if e["version"] == current), None)
+    if not previous:
+        raise ModelError(f"{registry}: no promotion of {current} in {PROMOTIONS}, so nothing to roll back to")
+    _checked(registry, previous)
+    set_current(registry, previous)
+    # A rollback's "previous" is what the version it restored had replaced, so
+    # two rollbacks walk further back instead of flipping between two versions.
+    before = next((e.get("previous") for e in reversed(entries) if e["version"] == previous), None)
+    return _log(registry, {"action": "rollback", "kind": "model", "version": previous, "previous": before,
+                           "replaced": current, "by": who(by), "reason": reason})  # fmt: skip
+
+
+def shadow_version(registry: Path) -> str | None:
+    pointer = registry / SHADOW
+    if not pointer.is_file():
+        return None
+    return pointer.read_text().strip() or None
+
+
+def set_shadow(registry: Path, version: str | None, *, by: str | None = None) -> dict[str, Any]:
+    """Score ``version`` alongside the served model (None stops the shadow)."""
+    if version is None:
+        (registry / SHADOW).unlink(missing_ok=True)
+    else:
+        _checked(registry, version)
+        tmp = registry / f".{SHADOW}.tmp"
+        tmp.write_text(version + "\n")
+        os.replace(tmp, registry / SHADOW)
+    return _log(registry, {"action": "shadow", "kind": "model", "version": version, "by": who(by)})
+
+
+def promote_rules(registry: Path, source: Path, served: Path, *, by: str | None = None) -> dict[str, Any]:
+    """Validate ``source`` and make it the served rules file (atomic replace)."""
+    new = load_rules(source)  # raises RulesError: the served file is left alone
+    previous = load_rules(served).version if served.is_file() else None
+    tmp = served.with_name(f".{served.name}.tmp")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, served)
+    return _log(registry, {"action": "promote", "kind": "rules", "version": new.version, "previous": previous,
+                           "file": str(served), "by": who(by)})  # fmt: skip
+
+
+def _current_or_none(registry: Path) -> str | None:
+    try:
+        return current_version(registry)
+    except ModelNotFound:
+        return None
