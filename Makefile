@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 \
 	  || { echo "need redis-server on PATH (Debian: apt-get install redis-server)"; exit 1; }; }
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || { echo "installing chromium + chromium-driver (apt, for the review page's browser test)"; \
+	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+	  || { echo "need chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)"; exit 1; }; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
