@@ -137,8 +137,9 @@ class Replies:
         try:
             doc = orjson.loads(value)
         except orjson.JSONDecodeError:
-            return False
+            doc = None
         if not isinstance(doc, dict):
+            self.unmatched += 1
             return False
         if topic == self.settings.topic_decisions:
             correlation, kind = doc.get("correlation_id"), "decision"
