@@ -132,8 +132,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from app.gateway import run
     from app.settings import Settings
+    from app.topics import ensure_topics
 
     settings = Settings()
+    try:
+        asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
+    except Exception as exc:  # as the worker: one line, no traceback
+        print(
+            f"fraud-pipeline gateway: broker {settings.kafka_bootstrap} unreachable for "
+            f"{args.broker_wait:.0f} s ({exc}); check KAFKA_BOOTSTRAP and that the broker runs",
+            file=sys.stderr,
+        )
+        return 3
     run(settings, args.host or settings.gateway_host, args.port or settings.gateway_port)
     return 0
 
@@ -215,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="REST entry point and analyst review page")
     p.add_argument("--port", type=int, help="default FRAUD_GATEWAY_PORT (8080)")
     p.add_argument("--host", help="default FRAUD_GATEWAY_HOST (127.0.0.1; 0.0.0.0 in a container)")
+    p.add_argument("--broker-wait", type=float, default=120.0, help="seconds to wait for the broker at start")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("loadgen", help="produce live transactions and measure decisions")

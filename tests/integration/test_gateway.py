@@ -148,6 +148,8 @@ class Rig:
     analyst_key: str
     make_tx: TxFactory
     workers: Workers
+    gateway_env: dict[str, str]
+    workdir: Path
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +200,7 @@ def rig(
         asyncio.run(worker.wait_for_log("Ready", READY_TIMEOUT_S))
         yield Rig(
             kafka_bootstrap, topics, gateways[0], gateways[1], api_key, idle_key, analyst_key,
-            TxFactory(sim_frame, f"t-gw-{topics.transactions[-6:]}"), workers,
+            TxFactory(sim_frame, f"t-gw-{topics.transactions[-6:]}"), workers, gateway_env, workdir,
         )  # fmt: skip
     finally:
         for gateway in gateways:
@@ -302,6 +304,23 @@ def test_rest_times_out_with_504_then_limits_the_client(rig: Rig) -> None:
     refused = http("POST", url, rig.make_tx(), rig.idle_key)
     assert refused.status == 429, refused.body
     assert int(refused.headers["Retry-After"]) >= 1
+
+
+def test_rest_answers_502_when_the_worker_dead_letters_the_message(rig: Rig) -> None:
+    """A gateway signing with a key the worker does not know: the worker dead-letters
+    every message as bad_signature, and the gateway says so at once instead of a 504."""
+    wrong = write_keys(rig.workdir / "wrong-producers.json", gateway=new_key())
+    gateway = GatewayProc({**rig.gateway_env, "FRAUD_CLIENT_KEYS_FILE": str(wrong)}, rig.workdir / "gateway-wrong.log")
+    try:
+        gateway.wait_ready()
+        doc = rig.make_tx()
+        reply = http("POST", f"{gateway.url}/v1/transactions", doc, rig.api_key)
+    finally:
+        gateway.stop()
+    assert reply.status == 502, reply.body
+    body = reply.json()
+    assert body["error"]["code"] == "dead_lettered" and "bad_signature" in body["error"]["reason"]
+    assert body["transaction_id"] == doc["transaction_id"]
 
 
 def test_openapi_document_and_health(rig: Rig) -> None:
