@@ -126,7 +126,8 @@ def json_response(doc: Any, status: int = 200, headers: Mapping[str, str] | None
 
 def unauthorized(what: str) -> web.Response:
     return error_response(
-        401, "unauthenticated", f"missing or unknown {what}: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+        401, "unauthenticated",
+        f"missing or unknown {what}: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
         headers={"WWW-Authenticate": 'Bearer realm="fraud-pipeline"'},
     )  # fmt: skip
 
@@ -196,7 +197,8 @@ class Gateway:
             log.warning("no API keys (FRAUD_GATEWAY_KEYS_FILE / FRAUD_GATEWAY_KEYS): every transaction gets 401")
         if not len(analysts):
             log.warning("no analyst keys (FRAUD_GATEWAY_ANALYST_KEYS[_FILE]): the review page cannot load data")
-        return cls(settings, api, analysts, Signer(settings.gateway_client_id, key), review=ReviewQueue(settings.gateway_review_limit))
+        signer = Signer(settings.gateway_client_id, key)
+        return cls(settings, api, analysts, signer, review=ReviewQueue(settings.gateway_review_limit))
 
     @property
     def limits(self) -> Limits:
@@ -289,7 +291,8 @@ async def post_transaction(request: web.Request) -> web.Response:
             )
         except Exception as exc:
             log.warning("producing %s failed: %r", checked.transaction_id, exc)
-            return error_response(503, "broker_unavailable", f"the broker did not accept the transaction: {exc!r}", **ids)
+            reason = f"the broker did not accept the transaction: {exc!r}"
+            return error_response(503, "broker_unavailable", reason, **ids)
         try:
             outcome: Outcome = await asyncio.wait_for(asyncio.shield(reply), gw.settings.gateway_timeout_s)
         except asyncio.TimeoutError:
@@ -306,7 +309,8 @@ async def post_transaction(request: web.Request) -> web.Response:
     if outcome.kind == "dead_letter":
         error = outcome.record.get("error") or {}
         return error_response(
-            502, "dead_lettered", f"the pipeline dead-lettered the transaction: {error.get('code')}: {error.get('reason')}",
+            502, "dead_lettered",
+            f"the pipeline dead-lettered the transaction: {error.get('code')}: {error.get('reason')}",
             field=error.get("field"), headers=trace, **ids,
         )  # fmt: skip
     return json_response(outcome.record, headers=trace)
@@ -356,7 +360,7 @@ async def post_label(request: web.Request) -> web.Response:
         body = None
     label = body.get("label") if isinstance(body, dict) else None
     if label not in LABELS:
-        return error_response(400, "bad_label", f"send {{\"label\": \"fraud\"}} or {{\"label\": \"legit\"}}", field="label")
+        return error_response(400, "bad_label", 'send {"label": "fraud"} or {"label": "legit"}', field="label")
     assert gw.producer is not None and gw.review is not None
     value = analyst_label(txid, label, gw.review.merchant_of(txid), time.time())
     try:
@@ -393,5 +397,5 @@ def run(settings: Settings, host: str, port: int) -> None:
     gateway = Gateway.from_settings(settings)
     web.run_app(
         build_app(gateway), host=host, port=port, access_log=None,
-        print=lambda _: log.info("gateway listening on http://%s:%d (API: /openapi.json, review: /review)", host, port),
+        print=lambda _: log.info("gateway listening on http://%s:%d (/openapi.json, /review)", host, port),
     )  # fmt: skip

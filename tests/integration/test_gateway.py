@@ -177,7 +177,10 @@ def rig(
     )  # fmt: skip
     gateway_env = {
         **env,
-        "FRAUD_GATEWAY_KEYS_FILE": str(write_keys(workdir / "api.json", acme=api_key, slowpay=idle_key)),
+        "FRAUD_GATEWAY_KEYS_FILE": str(write_keys(
+            # The slow client's id is fresh: its bucket (in a REDIS_URL that may outlive this run) starts full.
+            workdir / "api.json", acme=api_key, **{f"slowpay-{uuid.uuid4().hex[:8]}": idle_key}
+        )),
         "FRAUD_GATEWAY_ANALYST_KEYS": f"alice:{analyst_key}",
         "FRAUD_GATEWAY_TIMEOUT_S": str(DECISION_TIMEOUT_S),
         "FRAUD_RATE_USER_BURST": str(USER_BURST),
