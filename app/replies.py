@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,7 +40,7 @@ from app.errors import ConfigError
 from app.settings import Settings
 from app.topics import kafka_auth
 
-__all__ = ["Outcome", "Replies", "correlation_of_dead_letter"]
+__all__ = ["Outcome", "Replies", "assignable", "correlation_of_dead_letter"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,23 @@ def correlation_of_dead_letter(doc: dict[str, Any]) -> str | None:
         return None
 
 
+async def assignable(consumer: AIOKafkaConsumer, topics: Sequence[str], wait_s: float = 10.0) -> list[TopicPartition]:
+    """Every partition of ``topics``, once the consumer's metadata knows them all.
+
+    NOTE: metadata is refreshed with ``topics()`` (all topics), never by naming a
+    topic: the local broker auto-creates a named unknown topic with 4 partitions."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        known = {topic: consumer.partitions_for_topic(topic) for topic in topics}
+        if all(known.values()):
+            return [TopicPartition(topic, p) for topic in topics for p in sorted(known[topic] or ())]
+        if time.monotonic() > deadline:
+            missing = sorted(topic for topic, parts in known.items() if not parts)
+            raise ConfigError(f"topics {missing} do not exist; run `fraud-pipeline topics`")
+        await consumer.topics()
+        await asyncio.sleep(0.2)
+
+
 class Replies:
     """Pending futures keyed by correlation id, resolved by one background consumer."""
 
@@ -89,13 +108,11 @@ class Replies:
             **kafka_auth(s),
         )
         await self._consumer.start()
-        parts = []
-        for topic in (s.topic_decisions, s.topic_dlq):
-            partitions = self._consumer.partitions_for_topic(topic)
-            if not partitions:
-                await self._consumer.stop()
-                raise ConfigError(f"topic {topic!r} does not exist; run `fraud-pipeline topics`")
-            parts += [TopicPartition(topic, p) for p in sorted(partitions)]
+        try:
+            parts = await assignable(self._consumer, (s.topic_decisions, s.topic_dlq))
+        except ConfigError:
+            await self._consumer.stop()
+            raise
         self._consumer.assign(parts)
         await self._consumer.seek_to_end(*parts)
         for tp in parts:  # resolve every "end" now, before any request is produced

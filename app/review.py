@@ -23,9 +23,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 
 from agents.labels import LABELS, Label, parse_label
+from app.replies import assignable
 from app.settings import Settings
 from app.topics import kafka_auth
 
@@ -129,11 +130,11 @@ class ReviewReader:
             **kafka_auth(s),
         )
         await self._consumer.start()
-        parts = [
-            TopicPartition(topic, p)
-            for topic in (s.topic_feedback, s.topic_labels)
-            for p in sorted(self._consumer.partitions_for_topic(topic) or ())
-        ]
+        try:
+            parts = await assignable(self._consumer, (s.topic_feedback, s.topic_labels))
+        except Exception:
+            await self._consumer.stop()
+            raise
         self._consumer.assign(parts)
         await self._consumer.seek_to_beginning(*parts)
         self._task = asyncio.create_task(self._run(), name="gateway-review")
