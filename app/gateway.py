@@ -279,30 +279,35 @@ async def post_transaction(request: web.Request) -> web.Response:
             field="user_id" if verdict.bucket == "user" else None, transaction_id=checked.transaction_id,
             headers={"Retry-After": retry_after_header(verdict.retry_after_s)},
         )  # fmt: skip
+    return await round_trip(gw, raw, checked.transaction_id, checked.user_id)
+
+
+async def round_trip(gw: Gateway, raw: bytes, transaction_id: str, user_id: str) -> web.Response:
+    """Produce one admitted transaction and answer with what became of it.
+
+    One deadline, ``gateway_timeout_s``, covers the produce and the wait: a
+    broker that hangs must not hold the caller for the producer's own 40 s."""
     assert gw.producer is not None and gw.replies is not None
+    timeout = gw.settings.gateway_timeout_s
+    deadline = time.monotonic() + timeout
     correlation = uuid.uuid4().hex
-    ids = {"transaction_id": checked.transaction_id, "correlation_id": correlation}
+    ids = {"transaction_id": transaction_id, "correlation_id": correlation}
     reply = gw.replies.expect(correlation)
     try:
         headers = [("correlation-id", correlation.encode()), *gw.signer.headers(raw)]
-        try:
-            await gw.producer.send_and_wait(
-                gw.settings.topic_transactions, raw, key=checked.user_id.encode(), headers=headers
-            )
-        except Exception as exc:
-            log.warning("producing %s failed: %r", checked.transaction_id, exc)
-            reason = f"the broker did not accept the transaction: {exc!r}"
-            return error_response(503, "broker_unavailable", reason, **ids)
-        try:
-            outcome: Outcome = await asyncio.wait_for(asyncio.shield(reply), gw.settings.gateway_timeout_s)
-        except asyncio.TimeoutError:
-            return error_response(
-                504, "decision_timeout",
-                f"no decision for {checked.transaction_id} within {gw.settings.gateway_timeout_s:g} s; it was "
-                "accepted and may still be decided: resend the same transaction (same transaction_id) to get "
-                "its decision",
-                **ids,
-            )  # fmt: skip
+        send = gw.producer.send_and_wait(gw.settings.topic_transactions, raw, key=user_id.encode(), headers=headers)
+        await asyncio.wait_for(send, timeout)
+        outcome: Outcome = await asyncio.wait_for(asyncio.shield(reply), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        return error_response(
+            504, "decision_timeout",
+            f"no decision for {transaction_id} within {timeout:g} s; it may still be decided: resend the "
+            "same transaction (same transaction_id) to get its decision",
+            **ids,
+        )  # fmt: skip
+    except Exception as exc:  # the producer gave up: the transaction did not enter
+        log.warning("producing %s failed: %r", transaction_id, exc)
+        return error_response(503, "broker_unavailable", f"the broker did not accept the transaction: {exc!r}", **ids)
     finally:
         gw.replies.forget(correlation)
     trace = {"X-Correlation-Id": correlation}
