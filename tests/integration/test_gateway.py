@@ -442,3 +442,47 @@ def test_review_page_labels_a_transaction_in_a_browser(rig: Rig, browser: Any, t
 
     browser.refresh()
     WebDriverWait(browser, 15, poll_frequency=0.5).until(shows_label)
+
+
+# --- what a label does to a restarting worker ------------------------------------------------
+
+
+async def changelog_end(bootstrap: str, topic: str) -> int:
+    """Records in ``topic`` so far (highwater of a first fetch: the broker's "latest" is unreliable)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                fetch_max_wait_ms=50)  # fmt: skip
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        if not parts:
+            return 0
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        await consumer.getmany(timeout_ms=500)
+        return sum(consumer.highwater(tp) or 0 for tp in parts)
+    finally:
+        await consumer.stop()
+
+
+def test_a_worker_starting_after_an_analyst_label_becomes_ready(rig: Rig) -> None:
+    """The label tally is a faust GlobalTable: a worker joining later recovers it
+    from its changelog. That recovery once failed on every record ("Error in
+    recovery", value_type=dict) and the worker never became ready."""
+    doc = rig.make_tx(amount=12000.0, currency="USD")  # a review: its merchant is known to the queue
+    assert decide(rig, doc).json()["action"] == "review"
+    txid = doc["transaction_id"]
+    deadline = time.monotonic() + DECISION_TIMEOUT_S
+    while txid not in {i["transaction_id"] for i in http("GET", f"{rig.gateway.url}/v1/review/decisions",
+                                                          key=rig.analyst_key).json()["items"]}:  # fmt: skip
+        assert time.monotonic() < deadline, f"{txid} never listed for review"
+        time.sleep(0.3)
+    reply = http("POST", f"{rig.gateway.url}/v1/review/{txid}/label", {"label": "fraud"}, rig.analyst_key)
+    assert reply.status == 200 and reply.json()["merchant_id"] == doc["merchant_id"], reply.body
+    changelog = f"{rig.workers.base_env['FRAUD_APP_ID']}-merchant-labels-changelog"
+    deadline = time.monotonic() + DECISION_TIMEOUT_S
+    while asyncio.run(changelog_end(rig.bootstrap, changelog)) == 0:  # the running worker tallied it
+        assert time.monotonic() < deadline, f"no tally on {changelog}:\n{rig.workers.logs()}"
+        time.sleep(0.5)
+    joining = rig.workers.start()
+    asyncio.run(joining.wait_for_log("Ready", READY_TIMEOUT_S))
+    assert "Error in recovery" not in joining.text(), joining.log()
