@@ -10,7 +10,9 @@ DATA := data/transactions.parquet
 DEMO_RATE ?= 100
 DEMO_DURATION ?= 20
 
-.PHONY: setup demo test soak stack-up stack-down stack-status simulate train materialize clean
+# What only the tests need (the demo does not): docker-compose validates
+# docker-compose.yml, Chromium drives the review page's browser test.
+.PHONY: setup test-tools demo test soak stack-up stack-down stack-status simulate train materialize clean
 
 setup: $(STAMP)
 
@@ -18,13 +20,18 @@ $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 \
 	  || { echo "need redis-server on PATH (Debian: apt-get install redis-server)"; exit 1; }; }
-	@command -v docker-compose >/dev/null || { echo "installing docker-compose (apt; validates docker-compose.yml in the tests)"; \
-	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1 \
-	  || echo "docker-compose not installed: the compose file test will be skipped"; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+test-tools:
+	@command -v docker-compose >/dev/null || { echo "installing docker-compose (apt; validates docker-compose.yml in the tests)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1 \
+	  || echo "docker-compose not installed: the compose file test will be skipped"; }
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || { echo "installing chromium + chromium-driver (apt, for the review page's browser test)"; \
+	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+	  || { echo "need chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)"; exit 1; }; }
 
 stack-up: setup
 	$(PY) -m app.stack up
@@ -54,7 +61,7 @@ demo: setup
 
 # Unit tests, then integration tests against a real broker and Redis that the
 # fixtures start (or KAFKA_BOOTSTRAP / REDIS_URL when set) and stop.
-test: setup
+test: setup test-tools
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
 	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider
 

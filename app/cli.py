@@ -7,6 +7,7 @@
     rules         backtest a rules file on replayed feedback; promote it to the workers
     report        quality: live precision/recall per model version and rule
     worker        run a scoring worker (a faust worker)
+    gateway       REST entry point (POST /v1/transactions) and the analyst review page
     loadgen       produce live transactions at a fixed rate and measure decisions
     topics        create the topics with their partition counts
     keys          create a producer client's signing key
@@ -244,6 +245,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from app.gateway import run
+    from app.settings import Settings
+    from app.topics import ensure_topics
+
+    settings = Settings()
+    try:
+        asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
+    except Exception as exc:  # as the worker: one line, no traceback
+        print(
+            f"fraud-pipeline gateway: broker {settings.kafka_bootstrap} unreachable for "
+            f"{args.broker_wait:.0f} s ({exc}); check KAFKA_BOOTSTRAP and that the broker runs",
+            file=sys.stderr,
+        )
+        return 3
+    run(settings, args.host or settings.gateway_host, args.port or settings.gateway_port)
+    return 0
+
+
 def cmd_loadgen(args: argparse.Namespace) -> int:
     from app.loadgen import LoadConfig, run_load
 
@@ -371,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="info")
     p.add_argument("--broker-wait", type=float, default=120.0, help="seconds to wait for the broker at start")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("gateway", help="REST entry point and analyst review page")
+    p.add_argument("--port", type=int, help="default FRAUD_GATEWAY_PORT (8080)")
+    p.add_argument("--host", help="default FRAUD_GATEWAY_HOST (127.0.0.1; 0.0.0.0 in a container)")
+    p.add_argument("--broker-wait", type=float, default=120.0, help="seconds to wait for the broker at start")
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("loadgen", help="produce live transactions and measure decisions")
     p.add_argument("--rate", type=float, default=200.0, help="transactions per second (Poisson)")

@@ -220,9 +220,11 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     # any merchant. NOTE: reads are fine inside take(); writes need a current
     # event, so they happen in the plain labels agent below.
     # Partitions as the repartitioned labels stream faust declares (the app default).
-    merchant_labels = app.GlobalTable(
-        "merchant-labels", key_type=str, value_type=dict, partitions=settings.partitions
-    )
+    # NOTE: no value_type: with value_type=dict faust's changelog recovery calls
+    # dict.from_data(), fails ("Error in recovery ...") and never finishes, so a
+    # worker restarted after any tallied label never became ready. Without one,
+    # values are JSON and come back as plain dicts.
+    merchant_labels = app.GlobalTable("merchant-labels", key_type=str, partitions=settings.partitions)
 
     def merchant_tally(merchant_id: str) -> MerchantTally | None:
         doc = merchant_labels.get(merchant_id)

@@ -73,6 +73,39 @@ class Settings(BaseSettings):
     rate_user_burst: float = 30.0
     """Token bucket per user: bursts like card testing hit it; shoppers never do."""
 
+    # --- REST gateway (app/gateway.py) -----------------------------------------
+    gateway_host: str = "127.0.0.1"
+    """Where ``fraud-pipeline gateway`` listens (``--host``); ``0.0.0.0`` in a container."""
+
+    gateway_port: int = 8080
+    gateway_keys_file: Path | None = None
+    """API clients of ``POST /v1/transactions``: ``{"clients": {"<id>": "<hex or base64 key>"}}``
+    (the producer keys' format; ``fraud-pipeline keys <id> --file ...`` writes one). A
+    caller presents its key as ``Authorization: Bearer <key>`` or ``X-API-Key``."""
+
+    gateway_keys: SecretStr | None = None
+    """``id:key,id:key`` — the same, from the environment (``FRAUD_GATEWAY_KEYS``)."""
+
+    gateway_analyst_keys_file: Path | None = None
+    """Analysts of the review page and its endpoints: separate keys, so a payment
+    client's key cannot label transactions."""
+
+    gateway_analyst_keys: SecretStr | None = None
+    gateway_client_id: str = "gateway"
+    """The producer id the gateway signs transactions as; its key must be among the
+    producer keys (``FRAUD_CLIENT_KEYS_FILE`` / ``FRAUD_CLIENT_KEYS``) the workers load."""
+
+    gateway_timeout_s: float = 5.0
+    """How long a REST call waits for its decision before answering 504."""
+
+    gateway_rate_per_s: float = 200.0
+    gateway_burst: float = 400.0
+    """Token bucket per API client (Redis, shared by every gateway). Per user the
+    gateway also applies ``rate_user_per_s`` / ``rate_user_burst``."""
+
+    gateway_review_limit: int = 500
+    """Newest ``review`` decisions the review page keeps in memory."""
+
     # --- faust app ---------------------------------------------------------
     app_id: str = "fraud-pipeline"
     """Faust app id: also the Kafka consumer group id."""

@@ -1,0 +1,190 @@
+"""Request-reply over Kafka: wait for the decision (or dead letter) of one produced transaction.
+
+The worker copies a transaction's ``correlation-id`` header into its decision
+(``correlation_id``) and keeps every header of a dead-lettered message, so the
+gateway gives each request a fresh correlation id, registers a future under it
+*before* producing, and :class:`Replies` resolves that future from whatever
+record carries the id.
+
+One consumer serves the whole gateway: no group (nothing to rebalance, nothing
+to commit), assigned every partition of ``decisions`` and of the dead-letter
+topic, starting at their ends.
+
+NOTE: where "the end" is. The local broker's ListOffsets "latest" is wrong after
+a multi-record batch (it says the first offset of the last batch + 1; see
+``shared/notes/broker.md``), so ``seek_to_end`` can land a few records *before*
+the true end. That only re-delivers old records, and an old record cannot match
+a pending id: ids are fresh uuids registered after start. It can never land
+*after* the true end, so nothing new is skipped. The alternatives cost more for
+nothing: ``offsets_for_times(start)`` depends on the workers' clocks agreeing
+with the gateway's, and the highwater of the first fetch needs a fetch from
+somewhere first. What matters is that the position is *resolved* before the
+first request is produced (``start`` awaits ``position()`` on every partition):
+an unresolved "latest" taken after a decision was written would skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from app.errors import ConfigError
+from app.settings import Settings
+from app.topics import kafka_auth
+
+__all__ = ["Outcome", "Replies", "assignable", "correlation_of_dead_letter"]
+
+log = logging.getLogger(__name__)
+
+#: Back-off after a failed fetch: the consumer reconnects on its own.
+FETCH_RETRY_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of a produced transaction: its decision, or its dead-letter record."""
+
+    kind: Literal["decision", "dead_letter"]
+    record: dict[str, Any]
+
+
+def correlation_of_dead_letter(doc: dict[str, Any]) -> str | None:
+    """The correlation id a dead-letter record kept (headers are base64 there)."""
+    header = (doc.get("headers") or {}).get("correlation-id")
+    if not isinstance(header, str):
+        return None
+    try:
+        return base64.b64decode(header).decode("utf-8", "replace")
+    except ValueError:
+        return None
+
+
+async def assignable(consumer: AIOKafkaConsumer, topics: Sequence[str], wait_s: float = 10.0) -> list[TopicPartition]:
+    """Every partition of ``topics``, once the consumer's metadata knows them all.
+
+    NOTE: metadata is refreshed with ``topics()`` (all topics), never by naming a
+    topic: the local broker auto-creates a named unknown topic with 4 partitions."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        known = {topic: consumer.partitions_for_topic(topic) for topic in topics}
+        if all(known.values()):
+            return [TopicPartition(topic, p) for topic in topics for p in sorted(known[topic] or ())]
+        if time.monotonic() > deadline:
+            missing = sorted(topic for topic, parts in known.items() if not parts)
+            raise ConfigError(f"topics {missing} do not exist; run `fraud-pipeline topics`")
+        await consumer.topics()
+        await asyncio.sleep(0.2)
+
+
+class Replies:
+    """Pending futures keyed by correlation id, resolved by one background consumer."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._pending: dict[str, asyncio.Future[Outcome]] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.matched = 0
+        self.unmatched = 0
+        """Records read that no pending request wanted (other producers' traffic, old records)."""
+
+    async def start(self) -> None:
+        s = self.settings
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            # NOTE: the local broker answers a waiting fetch only when its wait
+            # expires: this wait is the floor of every REST call's latency.
+            fetch_max_wait_ms=s.consumer_fetch_max_wait_ms,
+            **kafka_auth(s),
+        )
+        await self._consumer.start()
+        try:
+            parts = await assignable(self._consumer, (s.topic_decisions, s.topic_dlq))
+        except ConfigError:
+            await self._consumer.stop()
+            raise
+        self._consumer.assign(parts)
+        await self._consumer.seek_to_end(*parts)
+        for tp in parts:  # resolve every "end" now, before any request is produced
+            await self._consumer.position(tp)
+        self._task = asyncio.create_task(self._run(), name="gateway-replies")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def expect(self, correlation_id: str) -> asyncio.Future[Outcome]:
+        """Register before producing: the reply may arrive before ``send`` returns."""
+        if correlation_id in self._pending:
+            raise ValueError(f"correlation id {correlation_id!r} is already pending")
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._pending[correlation_id] = future
+        return future
+
+    def forget(self, correlation_id: str) -> None:
+        """Drop a request that was answered or gave up (a late reply is then ignored)."""
+        self._pending.pop(correlation_id, None)
+
+    def deliver(self, topic: str, value: bytes) -> bool:
+        """Resolve the request waiting for this record; False if none is."""
+        try:
+            doc = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict):
+            self.unmatched += 1
+            return False
+        if topic == self.settings.topic_decisions:
+            correlation, kind = doc.get("correlation_id"), "decision"
+        else:
+            correlation, kind = correlation_of_dead_letter(doc), "dead_letter"
+        future = self._pending.pop(correlation, None) if isinstance(correlation, str) else None
+        if future is None or future.done():
+            self.unmatched += 1
+            return False
+        future.set_result(Outcome(kind, doc))  # type: ignore[arg-type]
+        self.matched += 1
+        return True
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the broker went away: keep waiting, requests time out meanwhile
+                log.warning("reading decisions failed (%r); retrying in %.1f s", exc, FETCH_RETRY_S)
+                await asyncio.sleep(FETCH_RETRY_S)
+                continue
+            if not self._pending:
+                self.unmatched += sum(len(records) for records in batches.values())
+                continue  # nobody is waiting: skip parsing
+            for tp, records in batches.items():
+                for record in records:
+                    if record.value is not None:
+                        self.deliver(tp.topic, record.value)

@@ -1,0 +1,178 @@
+"""The analyst review queue: decisions in ``review``, and the labels analysts give them.
+
+The worker writes one ``feedback`` record per scored transaction::
+
+    {"decision": {...the decision...}, "transaction": {...the validated transaction...},
+     "feature_set": "...", "features": {"<name>": value or null, ...}}
+
+:class:`ReviewQueue` keeps the newest ``limit`` of those whose action is
+``review`` (pure: records in, listing out), and marks the ones a label has
+arrived for. :class:`ReviewReader` feeds it from ``feedback`` and ``labels``,
+both read from the beginning (they are the history the page shows), with its
+own consumer so a long backlog never delays the gateway's decision replies.
+:func:`analyst_label` builds the label the page's buttons produce, in the
+format of :mod:`agents.labels`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer
+
+from agents.labels import LABELS, Label, parse_label
+from app.replies import assignable
+from app.settings import Settings
+from app.topics import kafka_auth
+
+__all__ = ["ReviewQueue", "ReviewReader", "analyst_label"]
+
+log = logging.getLogger(__name__)
+
+#: orjson writes no spaces, so a feedback record for a review decision holds
+#: exactly this; checking for it first spares parsing the other ~95 % of feedback.
+REVIEW_MARK = b'"action":"review"'
+FETCH_RETRY_S = 0.5
+
+
+class ReviewQueue:
+    """Newest-first review decisions, with their features and any label given."""
+
+    def __init__(self, limit: int = 500) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._labels: dict[str, dict[str, Any]] = {}
+
+    def add_feedback(self, doc: Any) -> bool:
+        """Keep a feedback record if its decision is a review; False otherwise."""
+        if not isinstance(doc, dict):
+            return False
+        decision, tx = doc.get("decision"), doc.get("transaction")
+        if not isinstance(decision, dict) or decision.get("action") != "review" or not isinstance(tx, dict):
+            return False
+        txid = decision.get("transaction_id")
+        if not isinstance(txid, str):
+            return False
+        self._items.pop(txid, None)
+        self._items[txid] = {
+            "transaction_id": txid,
+            "decided_at": decision.get("decided_at") or 0.0,
+            "fraud_score": decision.get("fraud_score"),
+            "explanation": decision.get("explanation") or [],
+            "degraded": bool(decision.get("degraded")),
+            "model_version": decision.get("model_version"),
+            "rules_version": decision.get("rules_version"),
+            "transaction": tx,
+            "features": doc.get("features") or {},
+        }
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+        return True
+
+    def add_label(self, label: Label) -> None:
+        self._labels[label.transaction_id] = {
+            "label": label.label, "source": label.source, "labeled_at": label.labeled_at,
+        }  # fmt: skip
+        # Bounded like the items: labels of transactions long gone from the queue are dropped.
+        while len(self._labels) > 4 * self.limit:
+            self._labels.pop(next(iter(self._labels)))
+
+    def merchant_of(self, transaction_id: str) -> str | None:
+        item = self._items.get(transaction_id)
+        merchant = item["transaction"].get("merchant_id") if item else None
+        return merchant if isinstance(merchant, str) else None
+
+    def listing(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Newest decision first, each with ``label`` (None until labelled)."""
+        items = sorted(self._items.values(), key=lambda item: item["decided_at"], reverse=True)
+        return [{**item, "label": self._labels.get(item["transaction_id"])} for item in items[:limit]]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def analyst_label(transaction_id: str, label: str, merchant_id: str | None, now: float) -> bytes:
+    """A label as :func:`agents.labels.parse_label` reads it (source ``analyst``)."""
+    if label not in LABELS:
+        raise ValueError(f"label must be one of {LABELS}, got {label!r}")
+    doc: dict[str, Any] = {
+        "transaction_id": transaction_id,
+        "label": label,
+        "source": "analyst",
+        "labeled_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+    }
+    if merchant_id is not None:
+        doc["merchant_id"] = merchant_id  # feeds the live per-merchant tally
+    return orjson.dumps(doc)
+
+
+class ReviewReader:
+    """Feeds a :class:`ReviewQueue` from ``feedback`` and ``labels``, from their beginnings."""
+
+    def __init__(self, settings: Settings, queue: ReviewQueue) -> None:
+        self.settings = settings
+        self.queue = queue
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=max(s.consumer_fetch_max_wait_ms, 100),  # a page refresh, not a checkout
+            **kafka_auth(s),
+        )
+        await self._consumer.start()
+        try:
+            parts = await assignable(self._consumer, (s.topic_feedback, s.topic_labels))
+        except Exception:
+            await self._consumer.stop()
+            raise
+        self._consumer.assign(parts)
+        await self._consumer.seek_to_beginning(*parts)
+        self._task = asyncio.create_task(self._run(), name="gateway-review")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def read(self, topic: str, value: bytes) -> None:
+        if topic == self.settings.topic_labels:
+            label = parse_label(value)
+            if not isinstance(label, str):
+                self.queue.add_label(label)
+        elif REVIEW_MARK in value:
+            try:
+                self.queue.add_feedback(orjson.loads(value))
+            except orjson.JSONDecodeError:
+                log.warning("skipping a feedback record that is not JSON")
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reading feedback/labels failed (%r); retrying in %.1f s", exc, FETCH_RETRY_S)
+                await asyncio.sleep(FETCH_RETRY_S)
+                continue
+            for tp, records in batches.items():
+                for record in records:
+                    if record.value is not None:
+                        self.read(tp.topic, record.value)
