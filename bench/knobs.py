@@ -23,11 +23,16 @@ from bench.run import BATCHED, DATA, QUICK_PLAN, Bench, Phase, Worker, prepare, 
 #: name -> environment overrides (FRAUD_* settings)
 KNOBS: dict[str, dict[str, str]] = {
     "baseline": {},
+    "no_quality_agents": {"FRAUD_QUALITY_ENABLED": "false"},
     "linger_5ms": {"FRAUD_PRODUCER_LINGER_S": "0.005"},
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
     "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},
     "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
+    # Two processes in one group (4 partitions each): the other core, shared
+    # with the broker, Redis and the load generator.
+    "workers_2": {},
 }
+WORKERS = {"workers_2": 2}
 
 
 def main() -> None:
@@ -46,20 +51,32 @@ def main() -> None:
             saved = {k: os.environ.get(k) for k in KNOBS[name]}
             os.environ.update(KNOBS[name])
             worker = Worker(BATCHED, svc, Path(tmp))
+            extra: list[Worker] = []
             try:
                 worker.wait_ready()
+                for _ in range(WORKERS.get(name, 1) - 1):
+                    extra.append(Worker(BATCHED, svc, Path(tmp), join=worker))
+                    extra[-1].wait_ready()
+                    svc.pids[f"worker{len(extra) + 1}"] = extra[-1].pid  # sampled with the others
                 run = bench._measure(worker, args.rate, phase, f"knob-{name}")
             finally:
-                worker.stop()
+                for w in (worker, *extra):
+                    w.stop()
+                for i in range(len(extra)):
+                    svc.pids.pop(f"worker{i + 2}", None)
                 for k, v in saved.items():
                     os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            workers_cpu = (run.get("cpu_pct") or 0.0) + sum(
+                v or 0.0 for k, v in run.get("other_cpu_pct", {}).items() if k.startswith("worker")
+            )
+            run["cpu_pct"] = workers_cpu
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
-            row = {"knob": name, **KNOBS[name], "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
+            row = {"knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
                    "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "data": str(DATA)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.out.write_text(json.dumps({"machine": "2 cores, shared", "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"machine": "2 cores (AMD EPYC VM); broker, Redis, worker(s) and load generator co-located", "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -273,3 +273,18 @@ def test_plans_fit_their_budgets() -> None:
     assert FULL_PLAN.rates == (1000.0, 2500.0, 5000.0) and len(FULL_PLAN.sweep) == 12
     assert QUICK_PLAN.rates == (1000.0, 2500.0) and QUICK_PLAN.sweep == ()
     assert FULL_PLAN.deadline_s < 600 and QUICK_PLAN.deadline_s < FULL_PLAN.deadline_s
+
+
+def test_throughput_ratios_use_each_variants_best_achieved_rate() -> None:
+    from bench.run import throughput_ratios
+
+    runs = [
+        {"variant": "ceiling", "achieved_tps": 900.0}, {"variant": "ceiling", "achieved_tps": 1100.0},
+        {"variant": "unbatched", "achieved_tps": 40.0},
+        {"variant": "batched", "achieved_tps": 250.0}, {"variant": "sweep-8-5", "achieved_tps": 5000.0},
+    ]
+    got = throughput_ratios(runs)
+    assert got["max_achieved_tps"] == {"batched": 250.0, "ceiling": 1100.0, "unbatched": 40.0}
+    assert got["batched_over_unbatched"] == 6.25
+    assert got["batched_over_ceiling"] == round(250 / 1100, 3)
+    assert throughput_ratios([{"variant": "batched", "achieved_tps": 1.0}])["batched_over_unbatched"] is None
