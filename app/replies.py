@@ -84,6 +84,28 @@ async def assignable(consumer: AIOKafkaConsumer, topics: Sequence[str], wait_s: 
         await asyncio.sleep(0.2)
 
 
+async def open_reader(
+    settings: Settings, topics: Sequence[str], *, fetch_max_wait_ms: int
+) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
+    """A started consumer without a group, assigned every partition of ``topics``
+    (the gateway's readers: they follow whole topics, they share no work)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=fetch_max_wait_ms,
+        **kafka_auth(settings),
+    )
+    await consumer.start()
+    try:
+        parts = await assignable(consumer, topics)
+    except BaseException:
+        await consumer.stop()
+        raise
+    consumer.assign(parts)
+    return consumer, parts
+
+
 class Replies:
     """Pending futures keyed by correlation id, resolved by one background consumer."""
 
@@ -98,22 +120,11 @@ class Replies:
 
     async def start(self) -> None:
         s = self.settings
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka_bootstrap,
-            group_id=None,
-            enable_auto_commit=False,
-            # NOTE: the local broker answers a waiting fetch only when its wait
-            # expires: this wait is the floor of every REST call's latency.
-            fetch_max_wait_ms=s.consumer_fetch_max_wait_ms,
-            **kafka_auth(s),
+        # NOTE: the local broker answers a waiting fetch only when its wait
+        # expires: this wait is the floor of every REST call's latency.
+        self._consumer, parts = await open_reader(
+            s, (s.topic_decisions, s.topic_dlq), fetch_max_wait_ms=s.consumer_fetch_max_wait_ms
         )
-        await self._consumer.start()
-        try:
-            parts = await assignable(self._consumer, (s.topic_decisions, s.topic_dlq))
-        except ConfigError:
-            await self._consumer.stop()
-            raise
-        self._consumer.assign(parts)
         await self._consumer.seek_to_end(*parts)
         for tp in parts:  # resolve every "end" now, before any request is produced
             await self._consumer.position(tp)

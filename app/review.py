@@ -26,9 +26,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 
 from agents.labels import LABELS, Label, parse_label
-from app.replies import assignable
+from app.replies import open_reader
 from app.settings import Settings
-from app.topics import kafka_auth
 
 __all__ = ["ReviewQueue", "ReviewReader", "analyst_label"]
 
@@ -122,20 +121,10 @@ class ReviewReader:
 
     async def start(self) -> None:
         s = self.settings
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka_bootstrap,
-            group_id=None,
-            enable_auto_commit=False,
+        self._consumer, parts = await open_reader(
+            s, (s.topic_feedback, s.topic_labels),
             fetch_max_wait_ms=max(s.consumer_fetch_max_wait_ms, 100),  # a page refresh, not a checkout
-            **kafka_auth(s),
-        )
-        await self._consumer.start()
-        try:
-            parts = await assignable(self._consumer, (s.topic_feedback, s.topic_labels))
-        except Exception:
-            await self._consumer.stop()
-            raise
-        self._consumer.assign(parts)
+        )  # fmt: skip
         await self._consumer.seek_to_beginning(*parts)
         self._task = asyncio.create_task(self._run(), name="gateway-review")
 
