@@ -186,7 +186,9 @@ class WorkerMetrics:
         n = len(batch)
         self.messages.inc(n)
         self.busy_seconds.inc(busy)
-        self._window.append((time.monotonic(), n, busy))
+        now = time.monotonic()
+        self._window.append((now, n, busy))
+        self._trim(now)  # NOTE: here too, not only at scrape time: unscraped, it grew without bound
         self.batch_seconds.observe(busy)
         self.batch_size.observe(n)
         self.batch_fill.observe(min(1.0, n / self.batch_capacity) if self.batch_capacity else 1.0)
@@ -236,13 +238,16 @@ class WorkerMetrics:
 
     # --- at scrape time -------------------------------------------------------------
 
+    def _trim(self, now: float) -> None:
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+
     def throughput(self, now: float | None = None) -> tuple[float, float, float]:
         """(messages per second, busy fraction, capacity in messages per second)
         over the trailing window. Capacity is messages per *busy* second: what
         this worker would process if it never waited for input."""
         now = time.monotonic() if now is None else now
-        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._window.popleft()
+        self._trim(now)
         messages = sum(n for _, n, _ in self._window)
         busy = sum(b for _, _, b in self._window)
         tps = messages / THROUGHPUT_WINDOW_S

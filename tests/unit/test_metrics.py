@@ -184,3 +184,14 @@ def test_decisions_in_any_json_spelling_are_classified() -> None:
         orjson.dumps({"action": "reject", "cached": False, "error": {"code": "rate_limited"}})
     ) == ("reject", "false")
     assert _samples(metrics)[("fraud_rate_limited_total", ())] == 1
+
+
+def test_the_throughput_window_stays_bounded_when_nobody_scrapes() -> None:
+    """A worker without a Prometheus scraping it must not keep every batch ever seen."""
+    from agents.score import BatchOutput, Inbound
+
+    metrics = WorkerMetrics(Settings())
+    old = time.monotonic() - 3600
+    metrics._window.extend([(old, 32, 0.01)] * 1000)
+    metrics.observe_batch([Inbound(value=b"{}")], BatchOutput(), time.perf_counter())
+    assert len(metrics._window) == 1

@@ -1,0 +1,85 @@
+"""Worker memory under steady load: RSS over minutes (``python -m bench.memory``).
+
+One batched worker at a rate it sustains, for ``--minutes``; the worker's RSS is
+sampled twice a second. A worker whose state is bounded (TTLs in Redis, LRU/TTL
+caches, bounded partition books) holds a flat RSS after warm-up; a leak shows
+as a slope. Writes ``bench/results/memory.json`` and ``memory.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.loadgen import LoadConfig, run_load
+
+from bench.run import BATCHED, DATA, SAMPLE_EVERY_S, Phase, Worker, _sampler, machine_info, prepare, services
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=100.0)
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    phase = Phase(warmup_s=10.0, measure_s=args.minutes * 60, drain_s=15.0)
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp, services(Path(tmp)) as svc:
+        prepare(svc)
+        worker = Worker(BATCHED, svc, Path(tmp))
+        try:
+            worker.wait_ready()
+            cfg = LoadConfig(
+                rate=args.rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
+                data=DATA, seed=7, report_every_s=SAMPLE_EVERY_S, quiet=True,
+                settings=worker.settings, sample=_sampler(worker.pid, {}),
+            )  # fmt: skip
+            summary = asyncio.run(run_load(cfg))
+        finally:
+            worker.stop()
+    lat = summary["latency_ms"]
+    run = {"achieved_tps": summary["achieved_rate"], "p50_ms": lat["p50"], "p99_ms": lat["p99"], "lost": summary["lost"]}
+    samples = [(e["t"], e["rss_mb"]) for e in summary.get("timeline", []) if e.get("rss_mb") is not None]
+    t = np.array([s[0] for s in samples])
+    rss = np.array([s[1] for s in samples])
+    steady = t >= phase.warmup_s + 30  # after warm-up and the first half-minute
+    slope = float(np.polyfit(t[steady] / 60, rss[steady], 1)[0]) if steady.sum() > 2 else None
+    doc: dict[str, Any] = {
+        "machine": machine_info(),
+        "rate": args.rate,
+        "minutes": args.minutes,
+        "achieved_tps": run["achieved_tps"],
+        "p50_ms": run["p50_ms"],
+        "p99_ms": run["p99_ms"],
+        "lost": run["lost"],
+        "rss_mb_first_steady": round(float(rss[steady][0]), 1) if steady.any() else None,
+        "rss_mb_last": round(float(rss[-1]), 1) if len(rss) else None,
+        "rss_mb_max": round(float(rss.max()), 1) if len(rss) else None,
+        "rss_slope_mb_per_min": round(slope, 3) if slope is not None else None,
+        "samples": samples,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory.json").write_text(json.dumps(doc, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(t / 60, rss, lw=1)
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("worker RSS (MB)")
+    ax.set_title(f"batched worker at {args.rate:g} TPS offered: slope {doc['rss_slope_mb_per_min']} MB/min (2 cores)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / "memory.png", dpi=100)
+    print(json.dumps({k: v for k, v in doc.items() if k != "samples"}))
+
+
+if __name__ == "__main__":
+    main()
