@@ -83,7 +83,11 @@ class BatchOutput:
     decisions: list[tuple[bytes, bytes]] = field(default_factory=list)
     dead_letters: list[tuple[bytes | None, bytes]] = field(default_factory=list)
     feedback: list[tuple[bytes, bytes]] = field(default_factory=list)
-    monitoring: bytes | None = None
+    monitoring: dict[str, Any] | None = None
+    """This batch's ``monitoring`` record (counts, stage timings, score histogram);
+    serialized where it is produced, read as it is by the worker's metrics."""
+    outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
+    """Decisions produced, by (action, cached)."""
     to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
     extra_monitoring: list[bytes] = field(default_factory=list)
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
@@ -287,6 +291,7 @@ class Scorer:
             record = decision.to_dict()
             records.append(record)
             out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
+            out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, record))
             doc = self._feedback(tx, record, rows[i] if rows else None, rule, tallies[i])
             feedback_docs.append(doc)
@@ -296,7 +301,7 @@ class Scorer:
         for msg, tx, leader in followers:  # resent within this very batch
             self._emit_cached(out, msg, tx, records[leader], clock)
             stats["cached"] += 1
-        out.monitoring = self._monitoring(stats, clock, scores)
+        out.monitoring = self._monitoring(stats, clock, scores, degraded_reason if stats["degraded"] else None)
         if self.drift is not None and scores is not None and matrix is not None:
             window = self.drift.observe(matrix, scores)
             if window is not None:
@@ -451,6 +456,7 @@ class Scorer:
             latency_ms=self._latency(msg, clock, self.wall_clock()),
         )
         out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
+        out.outcomes[(str(record.get("action")), True)] += 1
 
     async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
         assert self.model is not None
@@ -487,6 +493,7 @@ class Scorer:
                 error=why.to_dict(),
             )
             out.decisions.append((why.transaction_id.encode(), orjson.dumps(decision.to_dict())))
+            out.outcomes[("reject", False)] += 1
         out.dead_letters.append(
             (
                 why.transaction_id.encode() if why.transaction_id else None,
@@ -555,20 +562,21 @@ class Scorer:
             "merchant_tally": {"fraud": tally.fraud, "legit": tally.legit} if tally is not None else None,
         }
 
-    def _monitoring(self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None) -> bytes:
+    def _monitoring(
+        self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None, degraded_reason: str | None
+    ) -> dict[str, Any]:
         hist = np.histogram(scores, SCORE_BINS)[0].tolist() if scores is not None and len(scores) else []
-        return orjson.dumps(
-            {
-                "kind": "batch",
-                "at": self.wall_clock(),
-                "model_version": self.model.version if self.model else None,
-                "rules_version": self.rules.version,
-                "shadow_version": self.shadow.version if self.shadow else None,
-                "counts": dict(stats),
-                "stage_ms": clock.ms,
-                "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
-            }
-        )
+        return {
+            "kind": "batch",
+            "at": self.wall_clock(),
+            "model_version": self.model.version if self.model else None,
+            "rules_version": self.rules.version,
+            "shadow_version": self.shadow.version if self.shadow else None,
+            "counts": dict(stats),
+            "degraded_reason": degraded_reason,
+            "stage_ms": clock.ms,
+            "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+        }
 
 
 def _predict_scores(model: ScoringModel, matrix: np.ndarray) -> np.ndarray:

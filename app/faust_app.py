@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import faust
+import orjson
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from agents.admission import Admission
@@ -250,7 +251,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         for k, v in output.feedback:
             await feedback.send(key=k, value=v)
         if output.monitoring is not None:
-            await monitoring.send(value=output.monitoring)
+            await monitoring.send(value=orjson.dumps(output.monitoring))
         for v in output.extra_monitoring:
             await monitoring.send(value=v)
         await asyncio.gather(*pending)

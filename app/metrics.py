@@ -5,8 +5,8 @@ one process, as in tests, never share a metric). It holds:
 
 - what the scoring agent observes after each batch (:meth:`observe_batch`),
   read from the :class:`~agents.score.BatchOutput` the scorer already returns:
-  the batch's monitoring record (stage timings, counts, model version) and
-  its decisions and dead letters (action, cache hit, degraded, reason);
+  the batch's monitoring record (stage timings, counts, degraded reason, model
+  version), its outcomes by (action, cached), and its dead letters' reasons;
 - Redis round trips, timed by thin proxies around the scorer's Redis-backed
   collaborators (:meth:`instrument`);
 - values computed when scraped (:class:`_ScrapeTimeCollector`): consumer lag
@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
-from collections import Counter as Counter_
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,7 +43,7 @@ if TYPE_CHECKING:
     from agents.score import BatchOutput, Inbound, Scorer
     from app.settings import Settings
 
-__all__ = ["THROUGHPUT_WINDOW_S", "WorkerMetrics", "consumer_lag"]
+__all__ = ["THROUGHPUT_WINDOW_S", "WorkerMetrics", "consumer_lag", "reason_label"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,6 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
 FILL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 #: Stages of the scorer's monitoring record (``stage_ms``), in flow order.
 STAGES = ("validate", "cache", "features", "model", "rules")
-_ACTION = re.compile(rb'"action":"([a-z_]{1,32})"')
 #: Throughput and capacity are measured over this trailing window.
 THROUGHPUT_WINDOW_S = 30.0
 
@@ -195,46 +192,26 @@ class WorkerMetrics:
         for msg in batch:
             if msg.timestamp:
                 self.end_to_end_seconds.observe(max(0.0, now_wall - msg.timestamp))
-        if output.monitoring is not None:
-            record = orjson.loads(output.monitoring)
-            for stage, ms in (record.get("stage_ms") or {}).items():
-                self.stage_seconds.labels(stage).observe(ms / 1000.0)
-            for name, count in (record.get("counts") or {}).items():
-                if name.endswith("_unavailable") and count:
-                    self.admission_unavailable.labels(name.removesuffix("_unavailable")).inc(count)
+        record = output.monitoring or {}
+        for stage, ms in (record.get("stage_ms") or {}).items():
+            self.stage_seconds.labels(stage).observe(ms / 1000.0)
+        counts = record.get("counts") or {}
+        for name, count in counts.items():
+            if name.endswith("_unavailable") and count:
+                self.admission_unavailable.labels(name.removesuffix("_unavailable")).inc(count)
+        if counts.get("degraded"):
+            self.degraded.labels(reason_label(record.get("degraded_reason") or "")).inc(counts["degraded"])
+        if counts.get("rejected_rate_limited"):
+            self.rate_limited.inc(counts["rejected_rate_limited"])
+        if record:
             self.set_versions(record.get("model_version"), record.get("rules_version"))
-        tally: Counter_[tuple[str, str]] = Counter_()
-        for _, value in output.decisions:
-            tally[self._classify(value)] += 1
-        for (action, cached), count in tally.items():
-            self.decisions.labels(action, cached).inc(count)
-        if cached_count := sum(c for (_, cached), c in tally.items() if cached == "true"):
+        for (action, cached), count in output.outcomes.items():
+            self.decisions.labels(action, "true" if cached else "false").inc(count)
+        if cached_count := sum(c for (_, cached), c in output.outcomes.items() if cached):
             self.cache_hits.inc(cached_count)
         for _, value in output.dead_letters:  # rare: parsed in full
             code = (orjson.loads(value).get("error") or {}).get("code") or "unknown"
             self.dead_letters.labels(code).inc()
-
-    def _classify(self, value: bytes) -> tuple[str, str]:
-        """(action, cached) of a produced decision.
-
-        NOTE: a byte search, not a JSON parse: decisions are written by orjson
-        (compact, fixed spelling), and parsing 32 of them per batch cost more
-        than the rest of the metrics. Only the rare degraded and rate-limited
-        ones are parsed, for their reason.
-        """
-        found = _ACTION.search(value)
-        if found is None:  # not the compact form: parse it
-            doc = orjson.loads(value)
-            action, cached = str(doc.get("action") or "unknown"), bool(doc.get("cached"))
-        else:
-            action, cached = found.group(1).decode(), b'"cached":true' in value
-        if not cached and (b'"degraded":true' in value or b'"rate_limited"' in value):
-            doc = orjson.loads(value)
-            if doc.get("degraded"):
-                self.degraded.labels(degraded_reason(doc.get("explanation") or [])).inc()
-            if (doc.get("error") or {}).get("code") == "rate_limited":
-                self.rate_limited.inc()
-        return action, "true" if cached else "false"
 
     # --- at scrape time -------------------------------------------------------------
 
@@ -255,14 +232,9 @@ class WorkerMetrics:
         return tps, min(1.0, busy / THROUGHPUT_WINDOW_S), capacity
 
 
-def degraded_reason(explanation: Sequence[str]) -> str:
-    """The label of a degraded decision's reason: its ``degraded: <why>`` line,
-    with numbers dropped so the label set stays small."""
-    for line in reversed(explanation):
-        if line.startswith("degraded: "):
-            why = line.removeprefix("degraded: ")
-            return " ".join(w for w in why.split() if not any(c.isdigit() for c in w)) or "unknown"
-    return "unknown"
+def reason_label(why: str) -> str:
+    """A degraded reason without its numbers, so the label set stays small."""
+    return " ".join(w for w in why.split() if not any(c.isdigit() for c in w)) or "unknown"
 
 
 def consumer_lag(highwater: int | None, committed: int | None) -> int | None:
