@@ -34,7 +34,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from app import stack
 from app.materialize import materialize
-from workers import TxFactory  # tests/integration is on sys.path, as test_faults imports it
+from workers import Topics, TxFactory  # tests/integration is on sys.path, as test_faults imports it
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -78,31 +78,6 @@ def msg(doc: dict[str, Any] | bytes, correlation: str, key: bytes | None = None)
 
 
 # --- the broker side -----------------------------------------------------------------
-
-
-@dataclass
-class Topics:
-    transactions: str
-    decisions: str
-    dlq: str
-    feedback: str
-    monitoring: str
-    labels: str
-
-    @classmethod
-    def unique(cls) -> Topics:
-        tag = uuid.uuid4().hex[:10]
-        return cls(*(f"it-{name}-{tag}" for name in ("tx", "dec", "dlq", "fb", "mon", "lab")))
-
-    def env(self) -> dict[str, str]:
-        return {
-            "FRAUD_TOPIC_TRANSACTIONS": self.transactions,
-            "FRAUD_TOPIC_DECISIONS": self.decisions,
-            "FRAUD_TOPIC_DLQ": self.dlq,
-            "FRAUD_TOPIC_FEEDBACK": self.feedback,
-            "FRAUD_TOPIC_MONITORING": self.monitoring,
-            "FRAUD_TOPIC_LABELS": self.labels,
-        }
 
 
 @dataclass
@@ -310,7 +285,7 @@ def start_pipeline(
 ) -> Pipeline:
     """Start a worker and return once a probe transaction got its decision."""
     workdir.mkdir(parents=True, exist_ok=True)
-    topics = Topics.unique()
+    topics = Topics.unique("it")
     worker = Worker(_worker_env(bootstrap, redis_url, topics, registry, workdir), workdir / "worker.log")
     pipeline = Pipeline(bootstrap, topics, worker, TxFactory(frame, f"t-{topics.transactions[-10:]}"), redis_url)
     try:
