@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,21 @@ def check_no_duplicate_disagrees(t: Any) -> None:
 # --- kill -9 and restart ----------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def paced_load(rig: Rig, *, rate: float, duration: float, sent: list[Msg]) -> AsyncIterator[asyncio.Task[Any]]:
+    """Valid transactions, open loop at ``rate`` for ``duration`` s, into the rig's
+    `transactions`; yields the sending task (await it to end the load)."""
+    producer = make_producer(rig.bootstrap)
+    await producer.start()
+    try:
+        yield asyncio.create_task(
+            send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
+                       rate=rate, duration=duration, sent=sent)  # fmt: skip
+        )
+    finally:
+        await producer.stop()
+
+
 def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str) -> None:
     """SIGKILL the only worker mid-stream, start another in the same group: nothing lost;
     what was decided but not committed is decided again, identically (from the cache)."""
@@ -171,13 +187,7 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
             current = rig.workers.start()
             await current.wait_for_log("Ready", READY_TIMEOUT_S)
             await wait_decided(rig, col)
-            producer = make_producer(rig.bootstrap)
-            await producer.start()
-            try:
-                load = asyncio.create_task(
-                    send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
-                               rate=RATE, duration=LOAD_S, sent=sent)  # fmt: skip
-                )
+            async with paced_load(rig, rate=RATE, duration=LOAD_S, sent=sent) as load:
                 t0 = time.monotonic()
                 for k in range(kills):
                     await asyncio.sleep(max(0.0, LOAD_S * (k + 0.4) / kills - (time.monotonic() - t0)))
@@ -189,8 +199,6 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
                     current.kill9()
                     current = rig.workers.start()
                 await load
-            finally:
-                await producer.stop()
             await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             resumed = [
@@ -225,22 +233,14 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
             await a.wait_for_log("Ready", READY_TIMEOUT_S)
             await b.wait_for_log("Ready", READY_TIMEOUT_S)
             await wait_decided(rig, col)
-            producer = make_producer(rig.bootstrap)
-            await producer.start()
-            try:
-                load = asyncio.create_task(
-                    send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
-                               rate=RATE, duration=duration, sent=sent)  # fmt: skip
-                )
+            async with paced_load(rig, rate=RATE, duration=duration, sent=sent) as load:
                 t0 = time.monotonic()
                 await asyncio.sleep(duration * 0.25)
-                a.terminate()  # graceful stop by PID: faust commits what it acked
+                a.terminate()  # graceful stop by PID: the agent commits what it decided
                 stopped = await asyncio.to_thread(a.proc.wait, 30)
                 await asyncio.sleep(max(0.0, duration * 0.5 - (time.monotonic() - t0)))
                 c = rig.workers.start()
                 await load
-            finally:
-                await producer.stop()
             await c.wait_for_log("Ready", READY_TIMEOUT_S)
             await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
@@ -309,13 +309,7 @@ def test_fault_redis_outage(
             worker = rig.workers.start()
             await worker.wait_for_log("Ready", READY_TIMEOUT_S)
             await wait_decided(rig, col)
-            producer = make_producer(rig.bootstrap)
-            await producer.start()
-            try:
-                load = asyncio.create_task(
-                    send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
-                               rate=rate, duration=duration, sent=sent)  # fmt: skip
-                )
+            async with paced_load(rig, rate=rate, duration=duration, sent=sent) as load:
                 await asyncio.sleep(lead_s)
                 await asyncio.to_thread(handles[0].stop)
                 marks["down"] = time.time()
@@ -326,8 +320,6 @@ def test_fault_redis_outage(
                 await asyncio.to_thread(_materialize, sim_frame, url)
                 marks["materialized"] = time.time()
                 await load
-            finally:
-                await producer.stop()
             await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=1.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             decided = [d for m in sent for d in col.by_tx.get(m.transaction_id or "", [])[:1]]
