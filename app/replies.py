@@ -84,36 +84,63 @@ async def assignable(consumer: AIOKafkaConsumer, topics: Sequence[str], wait_s: 
         await asyncio.sleep(0.2)
 
 
-async def open_reader(
-    settings: Settings, topics: Sequence[str], *, fetch_max_wait_ms: int
-) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
-    """A started consumer without a group, assigned every partition of ``topics``
-    (the gateway's readers: they follow whole topics, they share no work)."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap,
-        group_id=None,
-        enable_auto_commit=False,
-        fetch_max_wait_ms=fetch_max_wait_ms,
-        **kafka_auth(settings),
-    )
-    await consumer.start()
-    try:
-        parts = await assignable(consumer, topics)
-    except BaseException:
-        await consumer.stop()
-        raise
-    consumer.assign(parts)
-    return consumer, parts
+class TopicReader:
+    """A background task following whole topics with a consumer without a group
+    (the gateway's readers: they follow every partition, they share no work)."""
 
-
-class Replies:
-    """Pending futures keyed by correlation id, resolved by one background consumer."""
+    task_name = "gateway-reader"
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._pending: dict[str, asyncio.Future[Outcome]] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
+
+    async def _open(self, topics: Sequence[str], *, fetch_max_wait_ms: int) -> list[TopicPartition]:
+        """Start the consumer, assigned every partition of ``topics``; returns them."""
+        s = self.settings
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=fetch_max_wait_ms,
+            **kafka_auth(s),
+        )
+        await consumer.start()
+        try:
+            parts = await assignable(consumer, topics)
+        except BaseException:
+            await consumer.stop()
+            raise
+        consumer.assign(parts)
+        self._consumer = consumer
+        return parts
+
+    def _follow(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self.task_name)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+
+class Replies(TopicReader):
+    """Pending futures keyed by correlation id, resolved by one background consumer."""
+
+    task_name = "gateway-replies"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._pending: dict[str, asyncio.Future[Outcome]] = {}
         self.matched = 0
         self.unmatched = 0
         """Records read that no pending request wanted (other producers' traffic, old records)."""
@@ -122,27 +149,18 @@ class Replies:
         s = self.settings
         # NOTE: the local broker answers a waiting fetch only when its wait
         # expires: this wait is the floor of every REST call's latency.
-        self._consumer, parts = await open_reader(
-            s, (s.topic_decisions, s.topic_dlq), fetch_max_wait_ms=s.consumer_fetch_max_wait_ms
-        )
+        parts = await self._open((s.topic_decisions, s.topic_dlq), fetch_max_wait_ms=s.consumer_fetch_max_wait_ms)
+        assert self._consumer is not None
         await self._consumer.seek_to_end(*parts)
         for tp in parts:  # resolve every "end" now, before any request is produced
             await self._consumer.position(tp)
-        self._task = asyncio.create_task(self._run(), name="gateway-replies")
+        self._follow()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._consumer is not None:
-            await self._consumer.stop()
+        await super().stop()
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
 
     @property
     def pending(self) -> int:

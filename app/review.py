@@ -23,10 +23,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer
 
 from agents.labels import LABELS, Label, parse_label
-from app.replies import open_reader
+from app.replies import TopicReader
 from app.settings import Settings
 
 __all__ = ["ReviewQueue", "ReviewReader", "analyst_label"]
@@ -110,34 +109,24 @@ def analyst_label(transaction_id: str, label: str, merchant_id: str | None, now:
     return orjson.dumps(doc)
 
 
-class ReviewReader:
+class ReviewReader(TopicReader):
     """Feeds a :class:`ReviewQueue` from ``feedback`` and ``labels``, from their beginnings."""
 
+    task_name = "gateway-review"
+
     def __init__(self, settings: Settings, queue: ReviewQueue) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self.queue = queue
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         s = self.settings
-        self._consumer, parts = await open_reader(
-            s, (s.topic_feedback, s.topic_labels),
+        parts = await self._open(
+            (s.topic_feedback, s.topic_labels),
             fetch_max_wait_ms=max(s.consumer_fetch_max_wait_ms, 100),  # a page refresh, not a checkout
-        )  # fmt: skip
+        )
+        assert self._consumer is not None
         await self._consumer.seek_to_beginning(*parts)
-        self._task = asyncio.create_task(self._run(), name="gateway-review")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._consumer is not None:
-            await self._consumer.stop()
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        self._follow()
 
     def read(self, topic: str, value: bytes) -> None:
         if topic == self.settings.topic_labels:
