@@ -229,6 +229,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     if args.web_port:
         overrides["web_port"] = args.web_port
+    if args.role:
+        overrides["worker_role"] = args.role
     settings = Settings(**overrides)
     try:
         asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
@@ -239,7 +241,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 3
-    app = create_app(settings)
+    if settings.worker_role == "feedback":
+        from app.feedback_loop import create_feedback_app
+
+        app = create_feedback_app(settings)
+    else:
+        app = create_app(settings)
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True)
     worker.execute_from_commandline()
     return 0
@@ -388,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run a scoring worker")
     p.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
+    p.add_argument(
+        "--role", choices=["all", "score", "feedback"],
+        help="default FRAUD_WORKER_ROLE (all: scoring and the feedback loop in one process; "
+        "production: score workers plus a feedback worker)",
+    )  # fmt: skip
     p.add_argument("--loglevel", default="info")
     p.add_argument("--broker-wait", type=float, default=120.0, help="seconds to wait for the broker at start")
     p.set_defaults(func=cmd_worker)

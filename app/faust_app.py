@@ -36,6 +36,7 @@ from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
 from app.feedback_loop import install_feedback_loop
 from app.metrics import WorkerMetrics
+from app.produce import BatchSender
 from app.settings import Settings
 from app.topics import kafka_auth
 from models.ensemble import ScoringModel
@@ -192,7 +193,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     """Build the app. ``runtime`` defaults to loading rules and model from settings."""
     runtime = runtime or Runtime.load(settings)
     app = base_app(settings)
-    metrics = WorkerMetrics.install(app, settings)  # /metrics on the worker's web server
+    metrics = WorkerMetrics.install(app, settings, faust_sensors=settings.faust_sensors)  # /metrics
     metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     # acks=False: faust never commits `transactions`; the agent commits what it
@@ -210,8 +211,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
         await commits.on_assigned(assigned)
 
-    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
-    dead_letters = app.topic(settings.topic_dlq, **raw)
     feedback = app.topic(settings.topic_feedback, **raw)
     monitoring = app.topic(settings.topic_monitoring, **raw)
     labels = app.topic(settings.topic_labels, **raw)
@@ -243,17 +242,22 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             if tally.apply(label):
                 merchant_labels[label.merchant_id] = tally.to_json()
 
+    # One record batch per partition instead of faust's per-message send (app/produce.py).
+    send_decisions = BatchSender(app, settings.topic_decisions)
+    send_dead_letters = BatchSender(app, settings.topic_dlq)
+    send_feedback = BatchSender(app, settings.topic_feedback)
+    send_monitoring = BatchSender(app, settings.topic_monitoring)
+
     async def emit(scorer: Scorer, output: BatchOutput) -> None:
         # Enqueue everything first, then await the decisions' deliveries together.
-        pending = [await decisions.send(key=k, value=v) for k, v in output.decisions]
-        pending += [await dead_letters.send(key=k, value=v) for k, v in output.dead_letters]
+        pending = await send_decisions.send_many(output.decisions)
+        pending += await send_dead_letters.send_many(output.dead_letters)
         await scorer.finish(output)  # the shadow model, after the decisions are on their way
-        for k, v in output.feedback:
-            await feedback.send(key=k, value=v)
-        if output.monitoring is not None:
-            await monitoring.send(value=orjson.dumps(output.monitoring))
-        for v in output.extra_monitoring:
-            await monitoring.send(value=v)
+        logged = await send_feedback.send_many(output.feedback)
+        extra = [orjson.dumps(output.monitoring)] if output.monitoring is not None else []
+        logged += await send_monitoring.send_many([(None, v) for v in [*extra, *output.extra_monitoring]])
+        for future in logged:  # never awaited: a failure is logged, not raised into the next batch
+            future.add_done_callback(_log_lost_logging)
         await asyncio.gather(*pending)
         if output.to_cache:
             # NOTE: awaited before the next batch is taken: a resend one batch
@@ -270,7 +274,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def watch_registry() -> None:  # loads in the background; swaps happen in the agent
         await reloader.poll()
 
-    install_feedback_loop(app, settings, feedback=feedback, labels=labels, monitoring=monitoring)
+    if settings.worker_role == "all":  # "score": the feedback loop runs in its own workers
+        install_feedback_loop(app, settings, feedback=feedback, labels=labels, monitoring=monitoring)
 
     @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
     async def score(stream: faust.StreamT) -> None:
@@ -324,6 +329,11 @@ def _inbound(event: Any) -> Inbound:
         partition=message.partition,
         offset=message.offset,
     )
+
+
+def _log_lost_logging(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("feedback/monitoring records not delivered: %r", future.exception())
 
 
 async def _deliver(emit: Any, scorer: Scorer, output: BatchOutput) -> None:

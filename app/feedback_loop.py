@@ -22,7 +22,7 @@ from agents.labels import Label, parse_label
 from agents.quality import RedisQualityStore, quality_report, served_from_feedback
 from app.settings import Settings
 
-__all__ = ["install_feedback_loop", "quality_prefix"]
+__all__ = ["create_feedback_app", "install_feedback_loop", "quality_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,28 @@ def quality_prefix(settings: Settings) -> str:
     """Redis keys of one deployment (one app id = one consumer group), so two
     deployments on one Redis, or parallel test workers, never mix their figures."""
     return f"quality:{settings.app_id}:"
+
+
+def create_feedback_app(settings: Settings) -> faust.App:
+    """The feedback loop alone (``fraud-pipeline worker --role feedback``).
+
+    Its own consumer group, ``<app_id>-feedback``: scoring workers
+    (``--role score``) and these never share partitions, and either kind
+    scales without rebalancing the other. The Redis keys stay those of the
+    deployment's app id, so ``report quality`` reads the same figures.
+    """
+    from app.faust_app import base_app  # NOTE: faust_app imports this module
+
+    app = base_app(settings.model_copy(update={"app_id": f"{settings.app_id}-feedback"}))
+    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    install_feedback_loop(
+        app,
+        settings,
+        feedback=app.topic(settings.topic_feedback, **raw),
+        labels=app.topic(settings.topic_labels, **raw),
+        monitoring=app.topic(settings.topic_monitoring, **raw),
+    )
+    return app
 
 
 def install_feedback_loop(

@@ -24,6 +24,8 @@ from bench.run import BATCHED, DATA, QUICK_PLAN, Bench, Phase, Worker, prepare, 
 KNOBS: dict[str, dict[str, str]] = {
     "baseline": {},
     "no_quality_agents": {"FRAUD_QUALITY_ENABLED": "false"},
+    "role_score": {"FRAUD_WORKER_ROLE": "score"},
+    "faust_sensors": {"FRAUD_FAUST_SENSORS": "true"},
     "linger_5ms": {"FRAUD_PRODUCER_LINGER_S": "0.005"},
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
     "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},

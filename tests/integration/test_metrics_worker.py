@@ -63,7 +63,7 @@ def test_metrics_move_with_traffic(
     env = worker_env(
         bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
         workdir=tmp_path, partitions=PARTITIONS,
-        FRAUD_CLIENT_KEYS=f"{CLIENT}:{key.hex()}", FRAUD_ALLOW_UNSIGNED="false",
+        FRAUD_CLIENT_KEYS=f"{CLIENT}:{key.hex()}", FRAUD_ALLOW_UNSIGNED="false", FRAUD_FAUST_SENSORS="true",
     )  # fmt: skip
     workers = Workers(tmp_path, env)
     make = TxFactory(sim_frame, f"t-metrics-{topics.transactions[-6:]}")
@@ -138,7 +138,7 @@ def test_metrics_move_with_traffic(
     assert total(after, "fraud_worker_capacity_tps") > 0
     [(labels, one)] = after["fraud_model_info"].items()
     assert one == 1 and dict(labels)["model_version"] == current_version(trained_registry)
-    # faust's own sensor is served alongside. NOTE: it counts only messages faust
+    # faust's own sensor is served alongside when asked for (FRAUD_FAUST_SENSORS). NOTE: it counts only messages faust
     # tracks for acks; `transactions` is consumed with acks=False (app/commits.py),
     # so fraud_messages_total is the count of transactions taken.
     assert "faust_messages_received_total" in after and "faust_consumer_commit_latency_count" in after
