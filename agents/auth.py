@@ -68,6 +68,7 @@ import orjson
 
 from agents.feature_store import TTLCache
 from agents.validate import Rejection
+from app.redis_client import is_cluster_client
 from app.errors import ConfigError
 
 __all__ = [
@@ -302,6 +303,19 @@ class ReplayGuard(Protocol):
         ...
 
 
+#: The replay check of a whole batch in one command (one Redis server): for each
+#: signature key, SET it to its delivery if new, else return the delivery it was
+#: first seen on ('' when new: a nil would end a Lua array). On a Redis Cluster
+#: the keys span slots, so the guard pipelines one SET per signature instead.
+REPLAY_CHECK_SCRIPT = """
+local out = {}
+for i = 1, #KEYS do
+  out[i] = redis.call('SET', KEYS[i], ARGV[i + 1], 'NX', 'GET', 'EX', ARGV[1]) or ''
+end
+return out
+"""
+
+
 class RedisReplayGuard:
     """Shared across workers; one pipelined round trip per batch.
 
@@ -311,10 +325,18 @@ class RedisReplayGuard:
     def __init__(self, client: Any) -> None:
         """``client`` is a ``redis.asyncio.Redis`` (the worker's shared pool)."""
         self._client = client
+        self._cluster = is_cluster_client(client)
+        self._check_many = client.register_script(REPLAY_CHECK_SCRIPT)
 
     async def check(self, items: Sequence[tuple[str, str]], ttl_s: int) -> list[bool]:
         if not items:
             return []
+        if not self._cluster:
+            firsts = await self._check_many(
+                keys=[signature_key(signature) for signature, _ in items],
+                args=[ttl_s, *(delivery for _, delivery in items)],
+            )
+            return [not first or _text(first) == delivery for first, (_, delivery) in zip(firsts, items, strict=True)]
         pipe = self._client.pipeline(transaction=False)
         for signature, delivery in items:
             # One atomic command: record the delivery if the signature is new,

@@ -21,6 +21,7 @@ import orjson
 
 from agents.feature_store import TTLCache
 from app.contract import Transaction
+from app.redis_client import is_cluster_client
 
 __all__ = ["DecisionCache", "InMemoryDecisionCache", "RedisDecisionCache", "content_hash", "decision_keys"]
 
@@ -48,10 +49,25 @@ class DecisionCache(Protocol):
     async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None: ...
 
 
+#: Store a batch's decisions in one command: SET key value EX ttl NX for each
+#: KEYS[i] with ARGV[i + 1] (ARGV[1] is the TTL). NOTE: one command instead of
+#: two pipelined SETs per transaction, whose packing in redis-py was 9 % of a
+#: saturated worker's event loop. One Redis server only: a Redis Cluster refuses
+#: a script over several slots, so it keeps the pipeline.
+PUT_MANY_SCRIPT = """
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ARGV[1], 'NX')
+end
+return #KEYS
+"""
+
+
 class RedisDecisionCache:
     def __init__(self, client: Any, ttl_s: int) -> None:
         self._client = client
         self.ttl_s = ttl_s
+        self._cluster = is_cluster_client(client)
+        self._put_many = client.register_script(PUT_MANY_SCRIPT)
 
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
         if not txs:
@@ -68,6 +84,18 @@ class RedisDecisionCache:
         return out
 
     async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        if not items:
+            return
+        if not self._cluster:
+            keys: list[str] = []
+            args: list[Any] = [self.ttl_s]
+            for tx, decision in items:
+                blob = orjson.dumps(decision)
+                keys += decision_keys(tx)
+                args += (blob, blob)
+            # NX: the first decision stands; a racing re-score cannot replace it.
+            await self._put_many(keys=keys, args=args)
+            return
         pipe = self._client.pipeline(transaction=False)
         for tx, decision in items:
             blob = orjson.dumps(decision)

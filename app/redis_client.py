@@ -24,7 +24,7 @@ from typing import Any
 
 from app.settings import Settings
 
-__all__ = ["async_client", "is_cluster", "plain_url", "sync_client"]
+__all__ = ["async_client", "is_cluster", "is_cluster_client", "plain_url", "sync_client"]
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -32,6 +32,13 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 def is_cluster(settings: Settings) -> bool:
     scheme = settings.redis_url.split("://", 1)[0].lower()
     return settings.redis_cluster or scheme in _CLUSTER_SCHEMES
+
+
+def is_cluster_client(client: Any) -> bool:
+    """A Redis Cluster client: scripts there may only touch keys of one slot."""
+    from redis.asyncio.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
 
 
 def plain_url(url: str) -> str:
