@@ -539,6 +539,9 @@ class Worker:
             "FRAUD_APP_ID": f"bench-{self.group_tag}",
             "FRAUD_DATA_DIR": str(workdir / "faust" / self.tag),
             **{f"FRAUD_TOPIC_{name.upper()}": topic for name, topic in topics.items()},
+            # The decision path as production deploys it: the feedback loop's
+            # agents run in their own workers (--role feedback), not here.
+            "FRAUD_WORKER_ROLE": "score",
             **variant.env(),
         }
         env = {**os.environ, **ours, "PYTHONUNBUFFERED": "1"}
