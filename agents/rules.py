@@ -182,4 +182,4 @@ def evaluate_rules(
         return RuleOutcome("decline", (f"score {score:.3f} at or above decline threshold {rules.decline_threshold}",))
     if score >= rules.review_threshold:
         return RuleOutcome("review", (f"score {score:.3f} at or above review threshold {rules.review_threshold}",))
-    return RuleOutcome("approve", ())
+    return RuleOutcome("approve", (f"score {score:.3f} below review threshold {rules.review_threshold}",))

@@ -461,7 +461,10 @@ class Scorer:
     async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
         assert self.model is not None
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._model_thread, self.model.predict, matrix)
+        # Reasons for the rows the rules will not approve on score alone; an
+        # approval is explained by its score under the review threshold.
+        explain_above = self.rules.review_threshold
+        future = loop.run_in_executor(self._model_thread, self.model.predict, matrix, explain_above)
         try:
             return await asyncio.wait_for(future, self.model_budget_s), None
         except asyncio.TimeoutError:
@@ -580,11 +583,8 @@ class Scorer:
 
 
 def _predict_scores(model: ScoringModel, matrix: np.ndarray) -> np.ndarray:
-    """Scores only: a shadow needs no explanations (a third of the ensemble's time)."""
-    try:
-        return model.predict(matrix, explain=False).scores  # type: ignore[call-arg]
-    except TypeError:  # a model without the option
-        return model.predict(matrix).scores
+    """Scores only: a shadow needs no explanations."""
+    return model.predict(matrix, explain_above=None).scores
 
 
 def clock_start_wall(clock: _Clock, decided_wall: float) -> float:

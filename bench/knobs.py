@@ -33,8 +33,9 @@ KNOBS: dict[str, dict[str, str]] = {
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     "workers_2": {},
+    "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
 }
-WORKERS = {"workers_2": 2}
+WORKERS = {"workers_2": 2, "workers_2_score": 2}
 
 
 def main() -> None:
@@ -75,7 +76,7 @@ def main() -> None:
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
             row = {"knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
-                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "data": str(DATA)}  # fmt: skip
+                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": str(DATA)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps({"machine": "2 cores (AMD EPYC VM); broker, Redis, worker(s) and load generator co-located", "rows": rows}, indent=2))

@@ -30,13 +30,17 @@ class Prediction:
     """Fraud probability per row, float in [0, 1]."""
 
     reasons: list[list[tuple[str, float]]] = field(default_factory=list)
-    """Per row, up to TOP_K (feature name, contribution in log-odds) with positive push."""
+    """Per row, up to TOP_K (feature name, contribution in log-odds) with positive
+    push; empty for rows below the ``explain_above`` asked for (or no list at all)."""
 
 
 class ScoringModel(Protocol):
     version: str
 
-    def predict(self, features: np.ndarray) -> Prediction: ...
+    def predict(self, features: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
+        """Scores per row; reasons for rows scoring at least ``explain_above``
+        (None: no reasons, e.g. for a shadow model)."""
+        ...
 
 
 @dataclass
@@ -73,25 +77,42 @@ class XGBoostEnsemble:
             # needs the other one, and batches of 32 do not parallelise well.
             member.booster.set_param({"nthread": threads})
 
-    def predict(self, features: np.ndarray, explain: bool = True) -> Prediction:
+    def predict(self, features: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
+        """Scores for every row; reasons for the rows scoring at least
+        ``explain_above`` (0.0: every row, None: none).
+
+        NOTE: each XGBoost call costs ~0.3-0.5 ms however few rows it has
+        (Python wrapper, DMatrix, OpenMP), and approximate contributions cost
+        ~3x a plain margin at 32 rows. So scores come from one ``inplace_predict``
+        margin per member (no DMatrix), and contributions are computed only for
+        the rows that need reasons: the worker asks for those at or above the
+        review threshold (an approval's explanation is the score under it).
+        A batch of 32 went from 7.2 ms to 1.7 ms without a flagged row, ~3.7 ms
+        with one (2 cores, 3 members of 300-400 trees).
+        """
         features = np.ascontiguousarray(features, dtype=np.float32)
         n = features.shape[0]
         scores = np.zeros(n, dtype=np.float64)
-        contributions = np.zeros((n, len(FEATURE_NAMES)), dtype=np.float64)
         for member, weight in zip(self.members, self.weights):
-            # NOTE: for small batches a DMatrix + predict is ~4x faster than
-            # inplace_predict here (0.25 + 0.12 ms vs 0.5 ms at 32 rows).
-            matrix = xgb.DMatrix(features[:, member.columns], missing=np.nan, nthread=1)
-            if explain:
+            margin = member.booster.inplace_predict(
+                np.ascontiguousarray(features[:, member.columns]), missing=np.nan, predict_type="margin"
+            )
+            scores += weight * _sigmoid(np.asarray(margin, dtype=np.float64))
+        scores = np.clip(scores, 0.0, 1.0)
+        if explain_above is None:
+            return Prediction(scores, [])
+        rows = np.flatnonzero(scores >= explain_above)
+        reasons: list[list[tuple[str, float]]] = [[] for _ in range(n)]
+        if len(rows):
+            subset = features[rows]
+            contributions = np.zeros((len(rows), len(FEATURE_NAMES)), dtype=np.float64)
+            for member, weight in zip(self.members, self.weights):
+                matrix = xgb.DMatrix(subset[:, member.columns], missing=np.nan, nthread=1)
                 contrib = member.booster.predict(matrix, pred_contribs=True, approx_contribs=True)
-                # Per-tree attributions sum to the margin (last column is the
-                # bias), so one call gives both the score and the reasons.
-                scores += weight * _sigmoid(contrib.sum(axis=1))
-                contributions[:, member.columns] += weight * contrib[:, :-1]
-            else:
-                scores += weight * member.booster.predict(matrix)
-        reasons = _top_reasons(contributions) if explain else []
-        return Prediction(np.clip(scores, 0.0, 1.0), reasons)
+                contributions[:, member.columns] += weight * contrib[:, :-1]  # last column: the bias
+            for row, why in zip(rows, _top_reasons(contributions)):
+                reasons[row] = why
+        return Prediction(scores, reasons)
 
     def warm_up(self, batch_sizes: Sequence[int] = (1, 8, 32, 64), rounds: int = 3) -> None:
         """Run predictions once so the first real batch does not pay for lazy setup."""

@@ -365,7 +365,7 @@ class SlowModel:
     def __init__(self, sleep_s: float) -> None:
         self.sleep_s = sleep_s
 
-    def predict(self, matrix: Any) -> Any:
+    def predict(self, matrix: Any, explain_above: float | None = 0.0) -> Any:
         import numpy as np
 
         from models.ensemble import Prediction

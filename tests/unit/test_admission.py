@@ -28,7 +28,7 @@ RULES = parse_rules(
 class LowModel:
     version = "low-1"
 
-    def predict(self, features: np.ndarray) -> Prediction:
+    def predict(self, features: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
         return Prediction(np.full(len(features), 0.05), [[] for _ in range(len(features))])
 
 

@@ -176,7 +176,7 @@ def test_a_shadow_is_scored_and_logged_but_never_decides(world: World) -> None:
 
 def test_a_failing_shadow_leaves_feedback_without_it(world: World) -> None:
     class Broken(ConstantModel):
-        def predict(self, matrix: Any) -> Any:
+        def predict(self, matrix: Any, explain_above: float | None = 0.0) -> Any:
             raise RuntimeError("boom")
 
     async def go() -> None:
@@ -193,7 +193,7 @@ def test_a_model_that_fails_while_warming_up_is_not_swapped_in_and_nothing_raise
     world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     class Exploding(ConstantModel):
-        def predict(self, matrix: Any) -> Any:
+        def predict(self, matrix: Any, explain_above: float | None = 0.0) -> Any:
             raise RuntimeError("cannot predict")
 
     registry = tmp_path / "registry"

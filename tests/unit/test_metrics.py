@@ -44,7 +44,7 @@ class ConstantModel:
         self.score = score
         self.sleep_s = sleep_s
 
-    def predict(self, matrix: np.ndarray) -> Prediction:
+    def predict(self, matrix: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
         assert matrix.shape[1] == len(FEATURE_NAMES)
         time.sleep(self.sleep_s)
         return Prediction(np.full(matrix.shape[0], self.score), [[] for _ in range(matrix.shape[0])])

@@ -39,6 +39,30 @@ def test_scores_are_reproducible_from_the_registry(trained_registry: Path) -> No
     assert all(len(r) <= 3 and all(c > 0 for _, c in r) for r in first.reasons)
 
 
+def test_reasons_only_for_rows_at_or_above_the_threshold_and_scores_match_xgboost(trained_registry: Path) -> None:
+    import xgboost as xgb
+
+    model = load_ensemble(trained_registry)
+    rng = np.random.default_rng(5)
+    batch = rng.random((40, len(FEATURE_NAMES)), dtype=np.float32) * 100
+    batch[::7, 3] = np.nan  # missing values take each split's default branch
+    everything = model.predict(batch)  # explain_above=0.0: every row
+    threshold = float(np.median(everything.scores))
+    some = model.predict(batch, explain_above=threshold)
+    none = model.predict(batch, explain_above=None)
+    np.testing.assert_array_equal(some.scores, everything.scores)
+    np.testing.assert_array_equal(none.scores, everything.scores)
+    assert none.reasons == []
+    for score, mine, full in zip(some.scores, some.reasons, everything.reasons, strict=True):
+        assert mine == (full if score >= threshold else [])
+    assert any(some.reasons) and not all(some.reasons)
+    # The weighted mean of each member's own probability (XGBoost's predict on a DMatrix).
+    expected = sum(
+        w * m.booster.predict(xgb.DMatrix(batch[:, m.columns], missing=np.nan)) for m, w in zip(model.members, model.weights)
+    )
+    np.testing.assert_allclose(everything.scores, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_tampered_model_file_is_refused(trained_registry: Path, tmp_path: Path) -> None:
     registry = copy_registry(trained_registry, tmp_path)
     version = current_version(registry)

@@ -123,13 +123,14 @@ class ConstantModel:
         self.version = version
         self.calls = 0
 
-    def predict(self, matrix: np.ndarray) -> Prediction:
+    def predict(self, matrix: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
         self.calls += 1
         assert matrix.shape[1] == len(FEATURE_NAMES)
         if self.sleep_s:
             time.sleep(self.sleep_s)
         n = matrix.shape[0]
-        return Prediction(np.full(n, self.score), [[("amount_usd", 0.5)] for _ in range(n)])
+        explained = explain_above is not None and self.score >= explain_above
+        return Prediction(np.full(n, self.score), [[("amount_usd", 0.5)] if explained else [] for _ in range(n)])
 
 
 def _iso(epoch: float) -> str:
@@ -495,7 +496,7 @@ def test_a_model_over_its_budget_degrades_within_the_budget(world: World) -> Non
 
 def test_a_failing_model_degrades_to_rules(world: World) -> None:
     class Broken(ConstantModel):
-        def predict(self, matrix: np.ndarray) -> Prediction:
+        def predict(self, matrix: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
             raise ValueError("corrupt booster")
 
     scorer = make_scorer(world, Broken())
