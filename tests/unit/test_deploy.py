@@ -39,7 +39,7 @@ def compose() -> dict[str, Any]:
 
 
 def test_services(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"kafka", "topics", "redis", "worker", "gateway", "prometheus"}
+    assert set(compose["services"]) == {"kafka", "topics", "redis", "worker", "feedback", "gateway", "prometheus"}
 
 
 def test_images_are_pinned(compose: dict[str, Any]) -> None:
@@ -65,7 +65,7 @@ def test_topics_created_once_by_the_project_command_before_workers(compose: dict
     services = compose["services"]
     assert services["topics"]["command"] == ["fraud-pipeline", "topics"]
     assert services["topics"]["restart"] == "no"
-    for name in ("worker", "gateway"):
+    for name in ("worker", "feedback", "gateway"):
         assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully", name
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
 
@@ -75,6 +75,10 @@ def test_workers_scale(compose: dict[str, Any]) -> None:
     assert "container_name" not in worker and "ports" not in worker, "replicas would collide"
     command = worker["command"]
     assert command[:2] == ["fraud-pipeline", "worker"]
+    # Scoring replicas run the decision path only; the feedback loop runs once, in its own group.
+    assert command[command.index("--role") + 1] == "score"
+    feedback = compose["services"]["feedback"]["command"]
+    assert feedback[:2] == ["fraud-pipeline", "worker"] and feedback[feedback.index("--role") + 1] == "feedback"
     port = command[command.index("--web-port") + 1]
     assert worker["environment"]["FRAUD_WEB_HOST"] == "0.0.0.0"  # Prometheus scrapes it from another container
     assert str(port) in [str(p) for p in worker["expose"]]
@@ -84,7 +88,7 @@ def test_workers_scale(compose: dict[str, Any]) -> None:
     assert f"127.0.0.1:{port}/metrics" in " ".join(worker["healthcheck"]["test"])
     # One image, built from this repository, for every service that runs the project's code.
     ours = {n: s for n, s in compose["services"].items() if "build" in s}
-    assert set(ours) == {"topics", "worker", "gateway"} and len({s["image"] for s in ours.values()}) == 1
+    assert set(ours) == {"topics", "worker", "feedback", "gateway"} and len({s["image"] for s in ours.values()}) == 1
 
 
 def test_gateway(compose: dict[str, Any]) -> None:
