@@ -12,9 +12,7 @@ whole batch are one ``MGET`` (one per slot on a Redis Cluster).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -25,16 +23,7 @@ from agents.feature_store import TTLCache
 from app.contract import Transaction
 from app.redis_client import is_cluster_client
 
-__all__ = [
-    "DecisionCache",
-    "InMemoryDecisionCache",
-    "RedisDecisionCache",
-    "WriteBehindCache",
-    "content_hash",
-    "decision_keys",
-]
-
-log = logging.getLogger(__name__)
+__all__ = ["DecisionCache", "InMemoryDecisionCache", "RedisDecisionCache", "content_hash", "decision_keys"]
 
 _CONTENT_FIELDS = ("user_id", "amount", "currency", "merchant_id", "device_id", "lat", "lon", "timestamp")
 
@@ -137,69 +126,3 @@ class InMemoryDecisionCache:
             for key in decision_keys(tx):
                 if not self._items.get(key, now)[0]:
                     self._items.put(key, decision, now)
-
-
-class WriteBehindCache:
-    """A :class:`DecisionCache` in front of another whose writes are slow.
-
-    ``put_many`` returns at once: the decisions are answered from memory and
-    written to ``inner`` in the background (bounded by ``timeout_s``); once a
-    write lands (or fails, logged) its entries leave memory and ``inner``
-    answers for them. NOTE: the scoring agent used to wait for the Redis write
-    before taking the next batch, so that a resend one batch behind its
-    original finds it: ~5-8 ms of every batch at saturation. A resend carries
-    the same user, hence the same partition and worker, so memory answers it
-    here; another worker (after a rebalance) finds it in Redis, written by then.
-    As in Redis, the first decision stored for a key stands.
-    """
-
-    def __init__(self, inner: DecisionCache, timeout_s: float = 0.5) -> None:
-        self.inner = inner
-        self.timeout_s = timeout_s
-        self._pending: dict[str, dict[str, Any]] = {}
-        self._writes: set[asyncio.Task[None]] = set()
-
-    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
-        found: list[dict[str, Any] | None] = [None] * len(txs)
-        ask: list[int] = []
-        for i, tx in enumerate(txs):
-            by_id, by_hash = decision_keys(tx)
-            found[i] = self._pending.get(by_id) or self._pending.get(by_hash)
-            if found[i] is None:
-                ask.append(i)
-        if ask:
-            for i, hit in zip(ask, await self.inner.get_many([txs[i] for i in ask]), strict=True):
-                found[i] = hit
-        return found
-
-    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
-        if not items:
-            return
-        keys = []
-        for tx, decision in items:
-            for key in decision_keys(tx):
-                self._pending.setdefault(key, decision)
-                keys.append((key, decision))
-        task = asyncio.ensure_future(self._write(list(items), keys))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write(self, items: list[tuple[Transaction, dict[str, Any]]], keys: list[tuple[str, Any]]) -> None:
-        try:
-            await asyncio.wait_for(self.inner.put_many(items), self.timeout_s)
-        except Exception as exc:
-            log.warning("storing %d decisions in the cache failed: %r", len(items), exc)
-        finally:
-            for key, decision in keys:
-                if self._pending.get(key) is decision:
-                    del self._pending[key]
-
-    async def flush(self) -> None:
-        """Wait for the writes under way (tests, and a clean stop)."""
-        while self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
-
-    @property
-    def pending(self) -> int:
-        """Keys answered from memory while their write is under way."""
-        return len(self._pending)

@@ -24,7 +24,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from agents.admission import Admission
 from agents.auth import ClientKeys, RedisReplayGuard
-from agents.cache import RedisDecisionCache, WriteBehindCache
+from agents.cache import RedisDecisionCache
 from agents.feature_store import RedisFeatureStore
 from agents.ratelimit import RedisRateLimiter
 from agents.reload import Reloader
@@ -47,7 +47,7 @@ __all__ = ["Runtime", "base_app", "create_app"]
 log = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 5
-CACHE_WRITE_TIMEOUT_S = 0.5
+CACHE_WRITE_TIMEOUT_S = 0.1
 
 
 def _install_fetch_wait_setting() -> None:
@@ -112,7 +112,7 @@ class Runtime:
             model=self.model,
             rules=self.rules,
             store=RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s),
-            cache=WriteBehindCache(RedisDecisionCache(client, s.decision_cache_ttl_s), CACHE_WRITE_TIMEOUT_S),
+            cache=RedisDecisionCache(client, s.decision_cache_ttl_s),
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,
@@ -249,21 +249,22 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     send_monitoring = BatchSender(app, settings.topic_monitoring)
 
     async def store_decisions(scorer: Scorer, output: BatchOutput) -> None:
-        # NOTE: before the next batch is taken, so that a resend one batch behind
-        # its original finds this decision: in the worker's memory at once, in
-        # Redis moments later (agents/cache.py, WriteBehindCache). Stored before
-        # the broker acknowledged the decisions: if they are never delivered the
-        # worker exits uncommitted, and the redelivered copy gets the same decision.
+        # NOTE: done before the next batch is taken: a resend one batch behind
+        # its original must find this decision (a fire-and-forget write raced
+        # it). Bounded, and never fails the batch. Stored before the broker
+        # acknowledged the decisions: if they are never delivered the worker
+        # exits uncommitted, and the redelivered copy is answered from here
+        # with the same decision.
         try:
-            await scorer.cache.put_many(output.to_cache)
-        except Exception as exc:  # never fails the batch
+            await asyncio.wait_for(scorer.cache.put_many(output.to_cache), CACHE_WRITE_TIMEOUT_S)
+        except Exception as exc:
             log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
 
     async def enqueue(scorer: Scorer, output: BatchOutput) -> list[asyncio.Future[Any]] | None:
         """Hand a batch's records to the producer and store its decisions in the
         cache; returns the decisions' delivery futures (None: enqueueing them
         failed, :func:`_delivered` sends them again)."""
-        await store_decisions(scorer, output)
+        cached = asyncio.ensure_future(store_decisions(scorer, output)) if output.to_cache else None
         pending: list[asyncio.Future[Any]] | None
         try:
             pending = await send_decisions.send_many(output.decisions)
@@ -281,6 +282,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             logged = []
         for future in logged:  # never awaited: a failure is logged, not raised into the next batch
             future.add_done_callback(_log_lost_logging)
+        if cached is not None:
+            await cached
         return pending
 
     async def resend(output: BatchOutput) -> list[asyncio.Future[Any]]:
@@ -349,8 +352,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             with contextlib.suppress(BaseException):
                 if completing is not None:
                     await asyncio.wait_for(asyncio.shield(completing), 5.0)
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(scorer.cache.flush(), 1.0)  # type: ignore[attr-defined]
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(commits.commit(), 2.0)
 

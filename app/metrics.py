@@ -37,8 +37,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agents.cache import WriteBehindCache
-
 if TYPE_CHECKING:
     import faust
 
@@ -160,10 +158,7 @@ class WorkerMetrics:
         """Time the scorer's Redis round trips (store, cache, replay guard, limiter)."""
         scorer.store = _Timed(scorer.store, self, {"enrich": "enrich"})  # type: ignore[assignment]
         cache_ops = {"get_many": "cache_get", "put_many": "cache_put"}
-        if isinstance(scorer.cache, WriteBehindCache):  # time the Redis calls, not the memory in front
-            scorer.cache.inner = _Timed(scorer.cache.inner, self, cache_ops)  # type: ignore[assignment]
-        else:
-            scorer.cache = _Timed(scorer.cache, self, cache_ops)  # type: ignore[assignment]
+        scorer.cache = _Timed(scorer.cache, self, cache_ops)  # type: ignore[assignment]
         admission = scorer.admission
         if admission is not None:
             if admission.replay is not None:
