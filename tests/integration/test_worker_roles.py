@@ -1,0 +1,92 @@
+"""Worker roles on the real broker and Redis: ``--role score`` decides and runs
+no feedback-loop agents; ``--role feedback`` (its own consumer group) joins the
+labels with every decision served so far, and ``report quality`` reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pandas as pd
+import pytest
+
+from workers import REPO, Collector, Topics, TxFactory, Workers, make_producer, send_all, tx_msg, worker_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PARTITIONS = 2
+
+
+def report(env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "app.cli", "report", "quality", "--json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def labelled(env: dict[str, str]) -> tuple[int, int]:
+    """(decisions, labelled) over every model version in the live figures."""
+    models = report(env)["models"].values()
+    return sum(m["decisions"] for m in models), sum(m["labelled"] for m in models)
+
+
+def test_score_workers_decide_and_the_feedback_worker_joins_the_labels(
+    kafka_bootstrap: str, redis_url: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+) -> None:
+    topics = Topics.unique("roles")
+    env = worker_env(
+        bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
+        workdir=tmp_path, partitions=PARTITIONS, FRAUD_QUALITY_EVERY_S="1",
+    )  # fmt: skip
+    asyncio.run(topics.create(kafka_bootstrap, PARTITIONS))
+    make = TxFactory(sim_frame, f"t-roles-{topics.transactions[-6:]}")
+    docs = [make(currency="USD") for _ in range(10)]
+    labels = [
+        {"transaction_id": d["transaction_id"], "label": "fraud" if i % 2 else "legit", "source": "analyst"}
+        for i, d in enumerate(docs[:6])
+    ]
+    workers = Workers(tmp_path, env)
+    try:
+        scorer = workers.start(FRAUD_WORKER_ROLE="score")
+        asyncio.run(scorer.wait_for_log("Ready", 90))
+
+        async def decide_and_label() -> dict[str, Any]:
+            async with Collector(kafka_bootstrap, topics, PARTITIONS) as collector:
+                producer = make_producer(kafka_bootstrap)
+                await producer.start()
+                try:
+                    await send_all(producer, topics.transactions, [tx_msg(d) for d in docs])
+                    ids = [d["transaction_id"] for d in docs]
+                    await collector.wait_for(lambda: all(collector.by_tx.get(t) for t in ids), 90, "decisions")
+                    sent = [await producer.send(topics.labels, orjson.dumps(lb), key=lb["transaction_id"].encode())
+                            for lb in labels]  # fmt: skip
+                    await asyncio.gather(*sent)
+                finally:
+                    await producer.stop()
+                return {t: collector.by_tx[t][0] for t in ids}
+
+        decided = asyncio.run(decide_and_label())
+        assert all(d["action"] in ("approve", "review", "decline") for d in decided.values())
+        # The scoring worker runs no feedback-loop agent: nothing is joined.
+        time.sleep(3.0)
+        assert labelled(env) == (0, 0), workers.logs()
+
+        feedback = workers.start(FRAUD_WORKER_ROLE="feedback")
+        asyncio.run(feedback.wait_for_log("Ready", 90))
+        deadline, last = time.monotonic() + 90, None
+        while time.monotonic() < deadline:
+            last = labelled(env)
+            if last == (10, 6):
+                break
+            time.sleep(1.0)
+        # Every decision served before it started, and every label, from its own consumer group.
+        assert last == (10, 6), f"{last}\n{workers.logs()}"
+        assert scorer.alive() and feedback.alive()
+    finally:
+        workers.stop_all()
