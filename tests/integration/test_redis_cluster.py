@@ -175,6 +175,27 @@ def test_cache_replay_guard_and_limiter_across_slots(cluster_url: str, sim_frame
     asyncio.run(go())
 
 
+def test_a_batch_of_many_users_stays_within_the_pool_on_a_cluster(cluster_url: str) -> None:
+    """200 users (their buckets spread over ~all slots) in one batch, a pool of 2
+    connections per node: the limiter sends one pipeline, not a call per slot
+    at once (which raised MaxConnectionsError on the cluster client)."""
+
+    async def go() -> None:
+        client = async_client(Settings(redis_url=cluster_url, redis_timeout_s=2.0, redis_pool_size=2))
+        try:
+            clock = lambda: 1_900_000_000.0  # noqa: E731
+            limiter = RedisRateLimiter(client, 1e6, 1e6, 1, 1, clock=clock)
+            users = [("pos-many", f"u-many-{i}") for i in range(200)]
+            assert all(d.allowed for d in await limiter.allow(users))
+            # Each user's single token is spent: the same batch again is refused, user by user.
+            again = await limiter.allow(users)
+            assert [(d.allowed, d.bucket) for d in again] == [(False, "user")] * 200
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+
+
 def test_scorer_built_for_a_cluster_url(
     materialized_cluster: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
 ) -> None:
