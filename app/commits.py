@@ -79,17 +79,9 @@ class TransactionCommits:
 
     async def commit(self) -> None:
         """Commit what moved (a timer calls this every ``FRAUD_COMMIT_INTERVAL_S``, and the agent at stop)."""
-        offsets, generation = self.progress.uncommitted(), self.progress.generation
+        offsets = self.progress.uncommitted()
         if offsets:
-            # The feedback and monitoring records of these batches were enqueued,
-            # not awaited: deliver them before their transactions count as done,
-            # so a crash cannot lose a served decision's feedback record.
-            try:
-                await self.app.producer.flush()
-            except Exception as exc:  # not committed now: the next tick tries again
-                log.warning("producer flush failed before a commit (%r); commit postponed", exc)
-                return
-            await self._commit(offsets, generation, why="interval")
+            await self._commit(offsets, self.progress.generation, why="interval")
 
     # --- consumer I/O ---------------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
 from app.feedback_loop import install_feedback_loop
 from app.metrics import WorkerMetrics
-from app.produce import BatchSender
 from app.settings import Settings
 from app.topics import kafka_auth
 from models.ensemble import ScoringModel
@@ -211,6 +210,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
         await commits.on_assigned(assigned)
 
+    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
+    dead_letters = app.topic(settings.topic_dlq, **raw)
     feedback = app.topic(settings.topic_feedback, **raw)
     monitoring = app.topic(settings.topic_monitoring, **raw)
     labels = app.topic(settings.topic_labels, **raw)
@@ -242,72 +243,26 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             if tally.apply(label):
                 merchant_labels[label.merchant_id] = tally.to_json()
 
-    # One record batch per partition instead of faust's per-message send (app/produce.py).
-    send_decisions = BatchSender(app, settings.topic_decisions)
-    send_dead_letters = BatchSender(app, settings.topic_dlq)
-    send_feedback = BatchSender(app, settings.topic_feedback)
-    send_monitoring = BatchSender(app, settings.topic_monitoring)
-
-    async def store_decisions(scorer: Scorer, output: BatchOutput) -> None:
-        # NOTE: done before the next batch is taken: a resend one batch behind
-        # its original must find this decision (a fire-and-forget write raced
-        # it). Bounded, and never fails the batch. Stored before the broker
-        # acknowledged the decisions: if they are never delivered the worker
-        # exits uncommitted, and the redelivered copy is answered from here
-        # with the same decision.
-        try:
-            await asyncio.wait_for(scorer.cache.put_many(output.to_cache), CACHE_WRITE_TIMEOUT_S)
-        except Exception as exc:
-            log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
-
-    async def enqueue(scorer: Scorer, output: BatchOutput) -> list[asyncio.Future[Any]] | None:
-        """Hand a batch's records to the producer and store its decisions in the
-        cache; returns the decisions' delivery futures (None: enqueueing them
-        failed, :func:`_delivered` sends them again)."""
-        cached = asyncio.ensure_future(store_decisions(scorer, output)) if output.to_cache else None
-        pending: list[asyncio.Future[Any]] | None
-        try:
-            pending = await send_decisions.send_many(output.decisions)
-            pending += await send_dead_letters.send_many(output.dead_letters)
-        except Exception as exc:
-            log.warning("enqueueing %d decisions failed: %r", len(output.decisions), exc)
-            pending = None
+    async def emit(scorer: Scorer, output: BatchOutput) -> None:
+        # Enqueue everything first, then await the decisions' deliveries together.
+        pending = [await decisions.send(key=k, value=v) for k, v in output.decisions]
+        pending += [await dead_letters.send(key=k, value=v) for k, v in output.dead_letters]
         await scorer.finish(output)  # the shadow model, after the decisions are on their way
-        try:
-            logged = await send_feedback.send_many(output.feedback)
-            extra = [orjson.dumps(output.monitoring)] if output.monitoring is not None else []
-            logged += await send_monitoring.send_many([(None, v) for v in [*extra, *output.extra_monitoring]])
-        except Exception as exc:
-            log.warning("feedback/monitoring records not enqueued: %r", exc)
-            logged = []
-        for future in logged:  # never awaited: a failure is logged, not raised into the next batch
-            future.add_done_callback(_log_lost_logging)
-        if cached is not None:
-            await cached
-        return pending
-
-    async def resend(output: BatchOutput) -> list[asyncio.Future[Any]]:
-        return [
-            *await send_decisions.send_many(output.decisions),
-            *await send_dead_letters.send_many(output.dead_letters),
-        ]
-
-    async def complete(
-        output: BatchOutput,
-        pending: list[asyncio.Future[Any]] | None,
-        admitted: Any,
-        batch: list[Inbound],
-        started: float,
-    ) -> None:
-        """Wait for a batch's decisions to be acknowledged, then let its
-        partitions move on. The agent awaits this before it enqueues the next
-        batch, so offsets move in batch order and only past delivered decisions."""
-        await _delivered(resend, output, pending)
-        commits.done(admitted)
-        try:
-            metrics.observe_batch(batch, output, started)
-        except Exception:  # metrics must never stop the agent
-            log.exception("observing a batch for the metrics failed")
+        for k, v in output.feedback:
+            await feedback.send(key=k, value=v)
+        if output.monitoring is not None:
+            await monitoring.send(value=orjson.dumps(output.monitoring))
+        for v in output.extra_monitoring:
+            await monitoring.send(value=v)
+        await asyncio.gather(*pending)
+        if output.to_cache:
+            # NOTE: awaited before the next batch is taken: a resend one batch
+            # behind its original must find this decision (a fire-and-forget
+            # write raced it). Bounded, and never fails the batch.
+            try:
+                await asyncio.wait_for(scorer.cache.put_many(output.to_cache), CACHE_WRITE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
 
     reloader = runtime.reloader()
 
@@ -324,34 +279,19 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         await scorer.warm_up()
         await reloader.apply(scorer)  # the shadow and drift reference, if any
         size, within = settings.batch_size, settings.batch_window_s
-        # The previous batch's completion. NOTE: a batch's decisions are
-        # acknowledged by the broker while the next batch is scored (one batch
-        # outstanding): waiting for the acknowledgement before taking the next
-        # batch left the worker idle ~8 ms of every ~75 ms batch at saturation.
-        completing: asyncio.Task[None] | None = None
         try:
             async for events in stream.take_events(size, within=within):
                 started = time.perf_counter()
                 admitted = await commits.admit(events)
-                if not admitted.events:
-                    if completing is not None:
-                        await completing  # offsets move in batch order
-                        completing = None
-                    commits.done(admitted)
-                    continue
-                batch = [_inbound(event) for event in admitted.events]
-                await reloader.apply(scorer)  # a promoted model or rules, between batches
-                output = await scorer.score_batch(batch)
-                if completing is not None:
-                    await completing  # at most one batch awaiting its acknowledgements
-                pending = await enqueue(scorer, output)
-                completing = asyncio.ensure_future(complete(output, pending, admitted, batch, started))
+                if admitted.events:
+                    batch = [_inbound(event) for event in admitted.events]
+                    await reloader.apply(scorer)  # a promoted model or rules, between batches
+                    output = await scorer.score_batch(batch)
+                    await _deliver(emit, scorer, output)
+                    metrics.observe_batch(batch, output, started)
+                commits.done(admitted)
         finally:
-            # A clean stop waits for the last batch's acknowledgements, then
-            # commits what was decided (else the next owner decides it again).
-            with contextlib.suppress(BaseException):
-                if completing is not None:
-                    await asyncio.wait_for(asyncio.shield(completing), 5.0)
+            # A clean stop commits what was decided (else the next owner decides it again).
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(commits.commit(), 2.0)
 
@@ -387,27 +327,16 @@ def _inbound(event: Any) -> Inbound:
     )
 
 
-def _log_lost_logging(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("feedback/monitoring records not delivered: %r", future.exception())
-
-
-async def _delivered(
-    resend: Callable[[BatchOutput], Any], output: BatchOutput, pending: list[asyncio.Future[Any]] | None
-) -> None:
-    """Wait until a batch's decisions and dead letters are acknowledged, sending
-    them again on failure; if the broker will not take them, stop the process
-    *without* committing, so the batch is redelivered after restart."""
+async def _deliver(emit: Any, scorer: Scorer, output: BatchOutput) -> None:
+    """Produce a batch's outcomes; if the broker will not take them, stop the
+    process *without* committing, so the batch is redelivered after restart."""
     delay = 0.2
     for attempt in range(1, SEND_ATTEMPTS + 1):
         try:
-            if pending is None:
-                pending = await resend(output)
-            await asyncio.gather(*pending)
+            await emit(scorer, output)
             return
         except Exception as exc:
             log.warning("producing decisions failed (attempt %d/%d): %r", attempt, SEND_ATTEMPTS, exc)
-            pending = None
             await asyncio.sleep(delay)
             delay *= 2
     log.critical("cannot deliver decisions; exiting without commit so the batch is redelivered")

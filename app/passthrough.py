@@ -2,8 +2,7 @@
 
 It consumes the same topic with the same faust settings as the scoring app
 (fetch max wait, producer linger, session timeout, ``take_events(batch_size,
-within)``, ``concurrency=1``, one record batch per partition through
-:class:`app.produce.BatchSender`) and produces each message's bytes unchanged,
+within)``, ``concurrency=1``) and produces each message's bytes unchanged,
 under its input key, to ``decisions``. The only thing it leaves out is the
 scoring work, so the gap between it and :func:`app.faust_app.create_app` at the
 same offered rate is what scoring costs. The load generator matches outputs by
@@ -24,7 +23,6 @@ import faust
 
 # The scoring app's own configuration, so the two cannot drift apart.
 from app.faust_app import base_app
-from app.produce import BatchSender
 from app.settings import Settings
 
 __all__ = ["create_passthrough_app", "main"]
@@ -35,14 +33,17 @@ def create_passthrough_app(settings: Settings) -> faust.App:
     app = base_app(settings)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
-    send_decisions = BatchSender(app, settings.topic_decisions)  # as the scoring app produces
+    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
 
     @app.agent(transactions, concurrency=1)  # as the scoring agent (faust-streaming #606)
     async def forward(stream: faust.StreamT) -> None:
         size, within = settings.batch_size, settings.batch_window_s
         async for events in stream.take_events(size, within=within):
             # As the scoring app emits: enqueue the batch, then await deliveries together.
-            pending = await send_decisions.send_many([(e.message.key, e.message.value) for e in events])
+            pending = [
+                await decisions.send(key=event.message.key, value=event.message.value)
+                for event in events
+            ]
             await asyncio.gather(*pending)
 
     app.passthrough_agent = forward
