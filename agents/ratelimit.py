@@ -41,6 +41,7 @@ from redis.exceptions import NoScriptError
 
 from agents.validate import Rejection
 from app.errors import ConfigError
+from app.redis_client import is_cluster_client
 
 __all__ = [
     "ALLOWED",
@@ -197,11 +198,6 @@ def slot_groups(keys: Sequence[str], bucket_of: dict[int, int]) -> list[list[int
     return list(groups.values())
 
 
-def _is_cluster(client: Any) -> bool:
-    from redis.asyncio.cluster import RedisCluster
-
-    return isinstance(client, RedisCluster)
-
 
 def _decision(refused: int, wait: float) -> RateDecision:
     return ALLOWED if refused == 0 else RateDecision(False, BUCKETS[refused - 1], wait)
@@ -226,7 +222,7 @@ class RedisRateLimiter:
         self.user_limit = Limit(user_rate, user_burst)
         self._clock = clock
         self._sha: str | None = None
-        self._cluster = _is_cluster(client)
+        self._cluster = is_cluster_client(client)
 
     async def allow(self, requests: Sequence[tuple[str, str]]) -> list[RateDecision]:
         if not requests:

@@ -87,8 +87,9 @@ class XGBoostEnsemble:
         margin per member (no DMatrix), and contributions are computed only for
         the rows that need reasons: the worker asks for those at or above the
         review threshold (an approval's explanation is the score under it).
-        A batch of 32 went from 7.2 ms to 1.7 ms without a flagged row, ~3.7 ms
-        with one (2 cores, 3 members of 300-400 trees).
+        A batch of 32 went from 7.2 ms (contributions for every row) to 1.6 ms
+        with no row flagged and 3.0 ms with one (2 cores, 3 members of 300-400
+        trees, quiet machine).
         """
         features = np.ascontiguousarray(features, dtype=np.float32)
         n = features.shape[0]
