@@ -66,6 +66,7 @@ __all__ = [
     "passes",
     "ratios",
     "run_record",
+    "saturated_tps",
     "sustainable",
     "validate_results",
 ]
@@ -180,7 +181,7 @@ FULL_PLAN = Plan(
     main=Phase(warmup_s=4.0, measure_s=8.0, drain_s=5.0),
     search=Phase(warmup_s=4.0, measure_s=4.0, drain_s=2.0),
     search_steps=(3, 2),
-    search_floor_tps=100.0,
+    search_floor_tps=10.0,
     search_cap_tps=40000.0,
     sweep=sweep_variants((8, 16, 32, 64), (5, 10, 20)),
     sweep_rate=2500.0,
@@ -193,7 +194,7 @@ QUICK_PLAN = Plan(
     main=Phase(warmup_s=1.0, measure_s=4.0, drain_s=4.0),
     search=Phase(warmup_s=1.0, measure_s=3.0, drain_s=2.0),
     search_steps=(1, 0),
-    search_floor_tps=100.0,
+    search_floor_tps=10.0,
     search_cap_tps=40000.0,
     sweep=(),
     sweep_rate=2500.0,
@@ -319,14 +320,21 @@ def bracket(outcomes: Mapping[float, bool]) -> tuple[float, float | None]:
 
 def next_probe(
     outcomes: Mapping[float, bool], *, floor: float, cap: float, rel_resolution: float = 0.1,
-    step: float = 50.0,
+    step: float = 50.0, saturated_tps: float | None = None,
 ) -> float | None:  # fmt: skip
     """The next offered rate to try in the search for the highest passing rate, or None.
 
     Doubles the highest pass while nothing failed (up to ``cap``), then bisects
     between the highest pass and the lowest failure (from 0 if nothing passed,
     not below ``floor``) until they are within ``rel_resolution`` of the
-    failure. Rates are rounded to ``step``; a rate already tried ends the search.
+    failure. Rates are rounded to ``step`` (to a tenth of it below ``10 * step``,
+    so a variant that sustains only tens of TPS still gets a figure); a rate
+    already tried ends the search.
+
+    ``saturated_tps``: the most a saturated failing run delivered. No higher
+    rate can pass, so the bisection's upper end is the lower of it and the
+    lowest failure: a variant that saturates at 80 TPS is searched between 0
+    and 80, not between 0 and the 1,000 TPS it failed at.
     """
     lo, hi = bracket(outcomes)
     if hi is None:
@@ -337,16 +345,33 @@ def next_probe(
         return min(cap, _round(lo * 2, step))
     if hi <= floor:
         return None  # even the floor fails
-    if hi - lo <= max(step, rel_resolution * hi):
+    top = min(hi, saturated_tps) if saturated_tps else hi
+    if top - lo <= max(_step(top, step), rel_resolution * top):
         return None
-    mid = max(floor, _round((lo + hi) / 2, step))
+    mid = max(floor, _round((lo + top) / 2, step))
     if mid in outcomes or not lo < mid < hi:
         return None
     return mid
 
 
+def saturated_tps(runs: Sequence[Mapping[str, Any]], threshold_ms: float) -> float | None:
+    """The most that a failing run, saturated (delivering under 90 % of its
+    offered rate), delivered: an upper bound on the sustainable rate."""
+    delivered = [
+        run["achieved_tps"]
+        for run in runs
+        if not passes(run, threshold_ms) and run.get("achieved_tps") and run["achieved_tps"] < 0.9 * run["offered_tps"]
+    ]
+    return max(delivered, default=None)
+
+
+def _step(rate: float, step: float) -> float:
+    return step if rate >= 10 * step else step / 10
+
+
 def _round(rate: float, step: float) -> float:
-    return float(max(step, round(rate / step) * step))
+    fine = _step(rate, step)
+    return float(max(fine, round(rate / fine) * fine))
 
 
 def sustainable(runs: Sequence[Mapping[str, Any]], threshold_ms: float) -> dict[str, Any]:
@@ -790,7 +815,12 @@ class Bench:
             for threshold, steps in zip(THRESHOLDS_MS, plan.search_steps):
                 for _ in range(steps):
                     outcomes = {r["offered_tps"]: passes(r, threshold) for r in mine}
-                    rate = next_probe(outcomes, floor=plan.search_floor_tps, cap=plan.search_cap_tps)
+                    rate = next_probe(
+                        outcomes,
+                        floor=plan.search_floor_tps,
+                        cap=plan.search_cap_tps,
+                        saturated_tps=saturated_tps(mine, threshold),
+                    )
                     if rate is None:
                         break
                     cost = plan.search.load_s + plan.search.drain_s + (0 if worker else self._start_s)

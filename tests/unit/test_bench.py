@@ -20,6 +20,7 @@ from bench.run import (
     cpu_pct_between,
     format_report,
     next_probe,
+    saturated_tps,
     parse_stat_cpu_s,
     parse_status_rss_mb,
     passes,
@@ -188,6 +189,45 @@ def test_next_probe_bisects_and_stops_at_the_resolution() -> None:
     assert next_probe({2300.0: True, 2500.0: False}, floor=100, cap=40000) is None  # within 10 %
     assert next_probe({1000.0: False}, floor=100, cap=40000) == 500.0
     assert next_probe({100.0: False}, floor=100, cap=40000) is None  # even the floor fails
+
+
+def test_next_probe_searches_below_a_saturated_variants_throughput() -> None:
+    """A variant that fails at 1,000 TPS offered having delivered only 80 is
+    searched between 0 and 80, in steps fine enough to give it a figure."""
+    assert next_probe({1000.0: False}, floor=10, cap=40000, saturated_tps=80.0) == 40.0
+    assert next_probe({1000.0: False, 40.0: True}, floor=10, cap=40000, saturated_tps=80.0) == 60.0
+    # a saturation figure above the lowest failure changes nothing
+    assert next_probe({1000.0: False}, floor=10, cap=40000, saturated_tps=1500.0) == 500.0
+    # within the resolution of the saturation figure: done
+    assert next_probe({1000.0: False, 75.0: True}, floor=10, cap=40000, saturated_tps=80.0) is None
+
+
+def test_saturated_tps_reads_only_failing_runs_that_fell_behind() -> None:
+    saturated = record(UNBATCHED, 1000.0, p99=1800.0)
+    saturated["achieved_tps"] = 83.0
+    kept_up_but_slow = record(UNBATCHED, 250.0, p99=400.0)  # delivered its rate, failed on p99
+    passing = record(UNBATCHED, 50.0, p99=120.0)
+    assert saturated_tps([saturated, kept_up_but_slow, passing], 200.0) == 83.0
+    assert saturated_tps([kept_up_but_slow, passing], 200.0) is None
+
+
+def test_search_gives_a_slow_variant_a_sustainable_rate() -> None:
+    """Unbatched scoring saturating at ~80 TPS used to end the search at the
+    100 TPS floor with no figure (and no batched/unbatched ratio)."""
+    capacity = 64.0
+    runs = []
+    for rate in (1000.0, 2500.0, 5000.0):
+        run = record(UNBATCHED, rate, p99=1800.0)
+        run["achieved_tps"] = 80.0
+        runs.append(run)
+    for _ in range(3):
+        outcomes = {r["offered_tps"]: passes(r, 200.0) for r in runs}
+        rate = next_probe(outcomes, floor=10, cap=40000, saturated_tps=saturated_tps(runs, 200.0))
+        if rate is None:
+            break
+        runs.append(record(UNBATCHED, rate, p99=100.0 if rate < capacity else 900.0))
+    found = sustainable(runs, 200.0)["tps"]
+    assert found is not None and 0.75 * capacity <= found < capacity
 
 
 @pytest.mark.parametrize("capacity", [180.0, 700.0, 3300.0, 4999.0, 12000.0])
