@@ -36,6 +36,7 @@ from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
 from app.feedback_loop import install_feedback_loop
 from app.metrics import WorkerMetrics
+from app.produce import RawTopic
 from app.settings import Settings
 from app.topics import kafka_auth
 from models.ensemble import ScoringModel
@@ -210,8 +211,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
         await commits.on_assigned(assigned)
 
-    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
-    dead_letters = app.topic(settings.topic_dlq, **raw)
     feedback = app.topic(settings.topic_feedback, **raw)
     monitoring = app.topic(settings.topic_monitoring, **raw)
     labels = app.topic(settings.topic_labels, **raw)
@@ -243,17 +242,21 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             if tally.apply(label):
                 merchant_labels[label.merchant_id] = tally.to_json()
 
+    raw_decisions, raw_dead_letters = RawTopic(app, settings.topic_decisions), RawTopic(app, settings.topic_dlq)
+    raw_feedback, raw_monitoring = RawTopic(app, settings.topic_feedback), RawTopic(app, settings.topic_monitoring)
+
     async def emit(scorer: Scorer, output: BatchOutput) -> None:
         # Enqueue everything first, then await the decisions' deliveries together.
-        pending = [await decisions.send(key=k, value=v) for k, v in output.decisions]
-        pending += [await dead_letters.send(key=k, value=v) for k, v in output.dead_letters]
+        # Straight to the producer, not faust's Topic.send (app/produce.py says why).
+        pending = [await raw_decisions.send(k, v) for k, v in output.decisions]
+        pending += [await raw_dead_letters.send(k, v) for k, v in output.dead_letters]
         await scorer.finish(output)  # the shadow model, after the decisions are on their way
         for k, v in output.feedback:
-            await feedback.send(key=k, value=v)
+            await raw_feedback.send(k, v)
         if output.monitoring is not None:
-            await monitoring.send(value=orjson.dumps(output.monitoring))
+            await raw_monitoring.send(None, orjson.dumps(output.monitoring))
         for v in output.extra_monitoring:
-            await monitoring.send(value=v)
+            await raw_monitoring.send(None, v)
         await asyncio.gather(*pending)
         if output.to_cache:
             # NOTE: awaited before the next batch is taken: a resend one batch

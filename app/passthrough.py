@@ -23,6 +23,7 @@ import faust
 
 # The scoring app's own configuration, so the two cannot drift apart.
 from app.faust_app import base_app
+from app.produce import RawTopic
 from app.settings import Settings
 
 __all__ = ["create_passthrough_app", "main"]
@@ -33,17 +34,14 @@ def create_passthrough_app(settings: Settings) -> faust.App:
     app = base_app(settings)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
-    decisions = app.topic(settings.topic_decisions, partitions=settings.partitions, **raw)
+    decisions = RawTopic(app, settings.topic_decisions)  # the scoring app's produce path
 
     @app.agent(transactions, concurrency=1)  # as the scoring agent (faust-streaming #606)
     async def forward(stream: faust.StreamT) -> None:
         size, within = settings.batch_size, settings.batch_window_s
         async for events in stream.take_events(size, within=within):
             # As the scoring app emits: enqueue the batch, then await deliveries together.
-            pending = [
-                await decisions.send(key=event.message.key, value=event.message.value)
-                for event in events
-            ]
+            pending = [await decisions.send(event.message.key, event.message.value) for event in events]
             await asyncio.gather(*pending)
 
     app.passthrough_agent = forward

@@ -13,6 +13,8 @@ cleanup() {
   $BIN/python -m app.stack down >/dev/null
 }
 trap cleanup EXIT
+# py-spy is a tool for this script, not a dependency of the project.
+test -x $BIN/py-spy || $BIN/python -m pip install -q py-spy
 $BIN/python -m app.stack up >/dev/null
 # shellcheck disable=SC1091
 source .stack/env
