@@ -184,7 +184,11 @@ FULL_PLAN = Plan(
     search_floor_tps=10.0,
     search_cap_tps=40000.0,
     sweep=sweep_variants((8, 16, 32, 64), (5, 10, 20)),
-    sweep_rate=2500.0,
+    # NOTE: near the default's knee (32 / 10 ms sustains ~600-700 TPS here), not
+    # at 2,500 where every cell saturated and only throughput told them apart
+    # (bench-20261202T230320.json): here small batches still saturate, and the
+    # cells that keep up show what size and window cost in latency.
+    sweep_rate=750.0,
     sweep_phase=Phase(warmup_s=1.0, measure_s=4.0, drain_s=3.0),
     deadline_s=560.0,
 )
