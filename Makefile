@@ -75,7 +75,7 @@ clean: stack-down
 
 # Benchmark: transport ceiling vs unbatched vs batched pipeline on one broker,
 # latency vs offered rate, max sustainable rate, batch sweep (bench/run.py).
-# ~9 minutes; QUICK=1: two rates, short runs, no sweep (~2 minutes).
+# ~9 minutes; QUICK=1: one rate and one search probe, short runs, no sweep (~1 minute).
 .PHONY: bench
 bench: setup
 	$(PY) -m bench.run $(if $(QUICK),--quick,)

@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--knobs", nargs="+", default=list(KNOBS))
     parser.add_argument("--out", type=Path, default=Path("bench/results/knobs.json"))
+    parser.add_argument("--label", help="tag the rows (e.g. the code version in an A/B)")
+    parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     args = parser.parse_args()
     phase = Phase(warmup_s=3.0, measure_s=args.seconds, drain_s=15.0)
     rows: list[dict[str, Any]] = []
@@ -74,12 +76,18 @@ def main() -> None:
             )
             run["cpu_pct"] = workers_cpu
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
-            row = {"knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
+            row = {**({"label": args.label} if args.label else {}), "knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
                    "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": str(DATA)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.out.write_text(json.dumps({"machine": "2 cores (AMD EPYC VM); broker, Redis, worker(s) and load generator co-located", "rows": rows}, indent=2))
+    if args.append and args.out.exists():
+        rows = json.loads(args.out.read_text())["rows"] + rows
+    doc = {"machine": "2 cores (AMD EPYC VM); broker, Redis, worker(s) and load generator co-located", "rows": rows}
+    args.out.write_text(json.dumps(doc, indent=2))
+    from bench.plots import knobs_plot
+
+    print(knobs_plot(doc, args.out.with_suffix(".png")))
 
 
 if __name__ == "__main__":

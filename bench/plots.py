@@ -6,6 +6,10 @@ latency_vs_rate.png  p50/p95/p99 against offered rate, ceiling vs unbatched vs b
 stages.png           the pipeline's own per-stage latency (the decisions' ``latency_ms``)
 lag.png              transactions awaiting their decision over each main run
 sweep.png            p99 and throughput over batch size × window (full mode only)
+
+A ``bench.knobs`` document (``{"rows": [...]}``) draws one PNG beside it: the
+worker CPU per transaction and the p99 of each row (one setting or code
+version per row, ``label`` when given).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 
 from bench.run import THRESHOLDS_MS, generator_kept_up  # noqa: E402
 
-__all__ = ["plot_all"]
+__all__ = ["knobs_plot", "plot_all"]
 
 COLORS = {"ceiling": "tab:gray", "unbatched": "tab:red", "batched": "tab:blue"}
 #: The pipeline's stages in flow order; stages it adds later are drawn after these.
@@ -215,7 +219,35 @@ def plot_all(doc: Mapping[str, Any], out: Path) -> list[Path]:
     return [p for p in drawn if p is not None]
 
 
+def knobs_plot(doc: Mapping[str, Any], path: Path) -> Path:
+    """Worker CPU ms per transaction and p99 per ``bench.knobs`` row, side by side."""
+    rows = doc["rows"]
+    names = [
+        f"{r.get('label') + ': ' if r.get('label') else ''}{r['knob']} @ {r['offered_tps']:,.0f} TPS" for r in rows
+    ]
+    y = np.arange(len(rows))[::-1]
+    fig, (cpu, p99) = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.6), sharey=True)
+    cpu.barh(y, [r["cpu_ms_per_tx"] or 0 for r in rows], color="tab:blue")
+    cpu.set_xlabel("worker CPU ms per decided transaction")
+    cpu.set_yticks(y, names, fontsize=8)
+    p99.barh(y, [r["p99_ms"] or 0 for r in rows], color="tab:orange")
+    p99.set_xlabel("p99 ms, send to decision")
+    for ax, key in ((cpu, "cpu_ms_per_tx"), (p99, "p99_ms")):
+        for yi, r in zip(y, rows):
+            if r.get(key) is not None:
+                ax.annotate(f" {r[key]:g}", (r[key], yi), va="center", fontsize=7)
+    fig.suptitle(f"bench.knobs — {doc.get('machine', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench/results/latest.json")
-    for png in plot_all(json.loads(source.read_text()), source.parent):
-        print(png)
+    document = json.loads(source.read_text())
+    if "rows" in document:  # a bench.knobs document
+        print(knobs_plot(document, source.with_suffix(".png")))
+    else:
+        for png in plot_all(document, source.parent):
+            print(png)

@@ -311,7 +311,7 @@ def test_report_and_plots(tmp_path: Path) -> None:
 def test_plans_fit_their_budgets() -> None:
     # Main rates as the brief asks; quick mode has no sweep.
     assert FULL_PLAN.rates == (1000.0, 2500.0, 5000.0) and len(FULL_PLAN.sweep) == 12
-    assert QUICK_PLAN.rates == (1000.0, 2500.0) and QUICK_PLAN.sweep == ()
+    assert QUICK_PLAN.rates == (1000.0,) and QUICK_PLAN.sweep == ()
     assert FULL_PLAN.deadline_s < 600 and QUICK_PLAN.deadline_s < FULL_PLAN.deadline_s
 
 
@@ -328,3 +328,31 @@ def test_throughput_ratios_use_each_variants_best_achieved_rate() -> None:
     assert got["batched_over_unbatched"] == 6.25
     assert got["batched_over_ceiling"] == round(250 / 1100, 3)
     assert throughput_ratios([{"variant": "batched", "achieved_tps": 1.0}])["batched_over_unbatched"] is None
+
+
+def test_knobs_plot_draws_each_row(tmp_path: Path) -> None:
+    """An A/B from ``bench.knobs --label`` becomes a PNG beside its JSON."""
+    from bench.plots import knobs_plot
+
+    rows = [
+        {"label": label, "knob": "role_score", "offered_tps": 400.0, "cpu_ms_per_tx": cpu, "p99_ms": p99}
+        for label, cpu, p99 in (("before", 1.33, 71.5), ("after", 1.16, 67.0), ("broken run", None, None))
+    ]
+    path = knobs_plot({"machine": "2 cores", "rows": rows}, tmp_path / "ab.png")
+    assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_per_minute_says_which_process_slowed() -> None:
+    """Three minutes at 100 decisions/s; the broker's CPU per decision doubles in the last."""
+    from bench.memory import per_minute
+
+    timeline, broker = [], 0.0
+    for i in range(361):
+        t = i * 0.5
+        broker += 0.5 * (0.2 if t <= 120 else 0.4)  # CPU seconds per second of load
+        timeline.append({"t": t, "decided": int(100 * t), "cpu_s": 0.05 * t, "broker_cpu_s": broker,
+                         "loadgen_cpu_s": 0.1 * t, "in_flight": 5, "rss_mb": 300.0})  # fmt: skip
+    rows = per_minute(timeline)
+    assert [r["minute"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["decided_per_s"] == 100.0 and r["worker_cpu_ms_per_decision"] == 0.5 for r in rows)
+    assert [r["broker_cpu_ms_per_decision"] for r in rows] == pytest.approx([2.0, 2.0, 4.0], abs=0.05)
