@@ -78,7 +78,10 @@ def main() -> None:
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
             row = {**({"label": args.label} if args.label else {}), "knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
-                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": str(DATA)}  # fmt: skip
+                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": str(DATA),
+                   # the rest of the machine: a setting can move cost to the broker
+                   "broker_cpu_pct": run.get("other_cpu_pct", {}).get("broker"),
+                   "loadgen_cpu_pct": run.get("other_cpu_pct", {}).get("loadgen")}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.append and args.out.exists():
