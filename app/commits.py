@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
@@ -25,9 +25,12 @@ log = logging.getLogger(__name__)
 class TransactionCommits:
     """Offsets of one topic, decided and committed by the agent, not by faust's acks."""
 
-    def __init__(self, app: Any, topic: str) -> None:
+    def __init__(self, app: Any, topic: str, stall_after_s: float = 5.0) -> None:
         self.app = app
         self.topic = topic
+        self.stall_after_s = stall_after_s
+        #: Called with "hole" or "quiet" at each seek back (the worker's metrics count them).
+        self.on_reseek: Callable[[str], None] | None = None
         self.progress: PartitionProgress[Any] = PartitionProgress()
         # Partitions assigned but whose committed offsets are not read yet: read
         # by the agent before its next batch, outside faust's rebalance callback.
@@ -63,7 +66,7 @@ class TransactionCommits:
                 "partition %s: offset %d arrived while %d was next (records in between did not reach the "
                 "agent); seeking back to %d", tp.partition, first, offset, offset,
             )  # fmt: skip
-            await self.app.consumer.seek(tp, offset)
+            await self._reseek(tp, offset, "hole")
         return admitted
 
     def done(self, admitted: Admitted[Any, Any]) -> None:
@@ -71,17 +74,72 @@ class TransactionCommits:
         self.progress.done(admitted, event_position)
 
     async def tick(self) -> None:
-        """Every ``FRAUD_COMMIT_INTERVAL_S``: re-seek stalled rewinds, commit what moved."""
-        for tp, offset in self.progress.stalled_rewinds(time.monotonic()).items():
+        """Every ``FRAUD_COMMIT_INTERVAL_S``: re-seek stalled rewinds and stalled
+        partitions, commit what moved."""
+        now = time.monotonic()
+        for tp, offset in self.progress.stalled_rewinds(now).items():
             log.warning("partition %s: still waiting for offset %d; seeking back to it again", tp.partition, offset)
-            await self.app.consumer.seek(tp, offset)
+            await self._reseek(tp, offset, "hole")
+        if self._pending_assignment is None and self._flowing():
+            for tp, offset in self.progress.stalled(now, self._highwater, self.stall_after_s).items():
+                log.warning(
+                    "partition %s: nothing decided from offset %d for %.0f s while its log reaches %s "
+                    "(fetch state: %s); resuming it and seeking back to %d",
+                    tp.partition, offset, self.stall_after_s, self._highwater(tp), self._fetch_state(tp), offset,
+                )  # fmt: skip
+                self._resume(tp)
+                await self._reseek(tp, offset, "quiet")
         await self.commit()
+
+    async def _reseek(self, tp: Any, offset: int, reason: str) -> None:
+        await self.app.consumer.seek(tp, offset)
+        if self.on_reseek is not None:
+            self.on_reseek(reason)
 
     async def commit(self) -> None:
         """Commit what moved (a timer calls this every ``FRAUD_COMMIT_INTERVAL_S``, and the agent at stop)."""
         offsets = self.progress.uncommitted()
         if offsets:
             await self._commit(offsets, self.progress.generation, why="interval")
+
+    # --- the stall watchdog's view of faust's consumer (faust-streaming 0.15.3 internals) --------
+
+    def _flowing(self) -> bool:
+        """Not in a rebalance or recovery: faust pauses and resumes partitions then."""
+        consumer = self.app.consumer
+        return bool(getattr(consumer, "flow_active", True)) and not getattr(self.app, "rebalancing", False)
+
+    def _highwater(self, tp: Any) -> int | None:
+        try:
+            return self.app.consumer.highwater(tp)
+        except Exception:  # consumer not started or partition unknown
+            return None
+
+    def _fetch_state(self, tp: Any) -> str:
+        """Where a partition may be held back: faust's active/paused/buffered
+        sets (its fetcher asks aiokafka only for active ones) and aiokafka's state."""
+        consumer = self.app.consumer
+        parts = [
+            f"faust active={tp in (consumer._active_partitions or ())}",
+            f"paused={tp in consumer._paused_partitions}",
+            f"buffered={tp in consumer._buffered_partitions}",
+        ]
+        try:
+            _, kafka = self._thread_and_consumer()
+            state = kafka._subscription.subscription.assignment.state_value(TopicPartition(tp.topic, tp.partition))
+            parts.append(
+                f"aiokafka paused={state.paused} position={state.position if state.has_valid_position else None}"
+            )
+            parts.append(f"buffered_fetch={TopicPartition(tp.topic, tp.partition) in kafka._fetcher._records}")
+        except Exception as exc:  # diagnostics only
+            parts.append(f"aiokafka state unknown ({exc!r})")
+        return ", ".join(parts)
+
+    def _resume(self, tp: Any) -> None:
+        """Make faust's fetcher ask for ``tp`` again, whatever took it out."""
+        consumer = self.app.consumer
+        consumer._buffered_partitions.discard(tp)
+        consumer.resume_partitions({tp})
 
     # --- consumer I/O ---------------------------------------------------------------------------
 

@@ -199,8 +199,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     # acks=False: faust never commits `transactions`; the agent commits what it
     # decided (app/offsets.py says why).
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **raw)
-    commits = TransactionCommits(app, settings.topic_transactions)
+    commits = TransactionCommits(app, settings.topic_transactions, stall_after_s=settings.stall_after_s)
     metrics.committed = commits.progress.committed_offsets  # lag = fetch highwater - this
+    commits.on_reseek = lambda reason: metrics.partition_reseeks.labels(reason).inc()
     untrack_read_offsets(app, settings.topic_transactions)
 
     @app.on_partitions_revoked.connect

@@ -117,6 +117,12 @@ class WorkerMetrics:
         self.redis_errors = Counter(
             "fraud_redis_errors", "Redis round trips that raised, by operation", ["op"], registry=r
         )
+        self.partition_reseeks = Counter(
+            "fraud_partition_reseeks",
+            "Seeks of a transactions partition back to its next offset to decide: 'hole' (a later offset "
+            "arrived first), 'quiet' (records waited past it and nothing was decided for FRAUD_STALL_AFTER_S)",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.model_info = Gauge(
             "fraud_model_info", "The model and rules versions deciding now (value 1)",
             ["model_version", "rules_version"], registry=r,

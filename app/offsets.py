@@ -30,6 +30,14 @@ like records that never come, so after ``max_seeks`` seeks that each met a
 later offset first the hole is accepted, with an error in the log, rather than
 stall the partition for ever.
 
+A partition can also go quiet with records waiting and no hole to see: the
+agent receives nothing of it at all, so nothing above trips. ``stalled``
+reports an assigned partition whose consumer fetch highwater is past its next
+offset but that decided nothing for ``after_s``; the commit timer then logs
+the fetch state and seeks it back (app/commits.py). Seen once in a rebalance
+test after a session-timeout rebalance (two of four partitions delivered two
+records each, then nothing for 45 s).
+
 Pure bookkeeping, no I/O: the faust glue is in :mod:`app.faust_app`.
 """
 
@@ -81,6 +89,7 @@ class PartitionProgress(Generic[TP]):
         self._admitted: dict[TP, int] = {}  # handed to a batch up to here (exclusive)
         self._committed: dict[TP, int] = {}  # last offset committed (or read at assignment)
         self._rewinding: dict[TP, _Rewind] = {}
+        self._quiet_since: dict[TP, float] = {}  # first check that saw no move (see ``stalled``)
 
     # --- rebalance ------------------------------------------------------------------------------
 
@@ -91,6 +100,7 @@ class PartitionProgress(Generic[TP]):
         self._admitted = dict(positions)
         self._committed = dict(positions)
         self._rewinding.clear()
+        self._quiet_since.clear()
 
     def revoke(self) -> dict[TP, int]:
         """Partitions revoked: returns what is still to commit, and forgets everything."""
@@ -100,6 +110,7 @@ class PartitionProgress(Generic[TP]):
         self._admitted.clear()
         self._committed.clear()
         self._rewinding.clear()
+        self._quiet_since.clear()
         return pending
 
     @property
@@ -159,6 +170,7 @@ class PartitionProgress(Generic[TP]):
             tp, offset = key(event)
             if tp in self._next and offset >= self._next[tp]:
                 self._next[tp] = offset + 1
+                self._quiet_since.pop(tp, None)
         return True
 
     def stalled_rewinds(self, now: float) -> dict[TP, int]:
@@ -168,6 +180,26 @@ class PartitionProgress(Generic[TP]):
             if now - rewind.last_seek >= self.reseek_after_s:
                 rewind.last_seek = now
                 due[tp] = rewind.offset
+        return due
+
+    def stalled(self, now: float, highwater: Callable[[TP], int | None], after_s: float) -> dict[TP, int]:
+        """Partitions with records past their next offset (``highwater``: the
+        consumer's fetch highwater, None when unknown) that decided nothing for
+        ``after_s`` and wait on no rewind: the agent is not receiving them.
+        Each is reported once per ``after_s`` while it stays stuck.
+
+        The clock of a partition starts at the first call that finds it not
+        moved, so it reads in steps of the caller's period."""
+        due: dict[TP, int] = {}
+        for tp, offset in self._next.items():
+            end = highwater(tp)
+            if tp in self._rewinding or end is None or end <= offset:
+                self._quiet_since.pop(tp, None)
+                continue
+            since = self._quiet_since.setdefault(tp, now)
+            if now - since >= after_s:
+                self._quiet_since[tp] = now
+                due[tp] = offset
         return due
 
     # --- commits --------------------------------------------------------------------------------

@@ -148,6 +148,10 @@ class Settings(BaseSettings):
     commit_interval_s: float = 1.0
     """How often the scoring agent commits the offsets it decided (and at every
     rebalance): what a crash redelivers is at most this much plus the batch in flight."""
+    stall_after_s: float = 5.0
+    """A partition of `transactions` with records waiting past its next offset
+    that decides nothing for this long is logged with its fetch state, resumed
+    and sought back (app/offsets.py, ``stalled``): a watchdog, not a timeout."""
     web_host: str = "127.0.0.1"
     web_port: int = 6066
     """Each worker on one machine needs its own port."""

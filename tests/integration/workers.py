@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -570,6 +570,33 @@ def lost_detail(t: Tally, committed: dict[int, int | None] | None = None) -> str
     if committed is not None:
         text += f"; group committed {committed}"
     return text
+
+
+async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
+    """Whether ``ids`` are on the decision and dead-letter topics, read again
+    from offset 0 by a fresh consumer: tells a worker that never produced them
+    from a collector that missed them (for a failure's message)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20)
+    await consumer.start()
+    wanted, found = set(ids), Counter()
+    try:
+        consumer.assign(collector.parts)
+        await consumer.seek_to_beginning(*collector.parts)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=200)
+            if not batches and all(
+                consumer.highwater(tp) is not None and await consumer.position(tp) >= consumer.highwater(tp)
+                for tp in collector.parts
+            ):
+                break
+            for tp, records in batches.items():
+                for record in records:
+                    if any(i.encode() in record.value for i in wanted):
+                        found[tp.topic] += 1
+    finally:
+        await consumer.stop()
+    return f"rescan of the output topics for {len(wanted)} lost ids: found {dict(found) or 'none'}"
 
 
 def report(line: str) -> None:

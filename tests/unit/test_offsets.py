@@ -126,3 +126,46 @@ def test_a_commit_from_an_earlier_generation_does_not_count() -> None:
     books.done(batch, key)
     books.committed({P0: 2}, old)
     assert books.uncommitted() == {P0: 2}
+
+
+def test_a_partition_with_records_waiting_that_decides_nothing_is_reported_as_stalled() -> None:
+    """The quiet form: nothing of a partition reaches the agent, so no hole shows."""
+    books: PartitionProgress[tuple[str, int]] = PartitionProgress()
+    books.assign({P0: 181, P1: 40})
+    ends = {P0: 214, P1: 40}  # P1 is at its end: nothing to wait for
+    assert books.stalled(0.0, ends.get, after_s=10.0) == {}  # the clock starts here
+    assert books.stalled(9.0, ends.get, after_s=10.0) == {}
+    assert books.stalled(10.0, ends.get, after_s=10.0) == {P0: 181}
+    # Reported once per after_s while it stays stuck, not on every check.
+    assert books.stalled(11.0, ends.get, after_s=10.0) == {}
+    assert books.stalled(20.0, ends.get, after_s=10.0) == {P0: 181}
+
+
+def test_a_partition_that_keeps_deciding_is_not_stalled() -> None:
+    books: PartitionProgress[tuple[str, int]] = PartitionProgress()
+    books.assign({P0: 0})
+    ends = {P0: 1000}
+    for second in range(30):
+        assert books.stalled(float(second), ends.get, after_s=10.0) == {}
+        batch = books.admit([ev(P0, second)], key, now=float(second))
+        books.done(batch, key)
+
+
+def test_a_partition_waiting_on_a_rewind_or_without_a_highwater_is_not_stalled() -> None:
+    books: PartitionProgress[tuple[str, int]] = PartitionProgress()
+    books.assign({P0: 5, P1: 0})
+    books.admit([ev(P0, 9)], key, now=0.0)  # P0 rewinds (its own re-seek handles it)
+    highwaters = {P0: 100}  # P1: no fetch response yet
+    assert books.stalled(0.0, highwaters.get, after_s=1.0) == {}
+    assert books.stalled(50.0, highwaters.get, after_s=1.0) == {}
+
+
+def test_a_rebalance_restarts_the_stall_clock() -> None:
+    books: PartitionProgress[tuple[str, int]] = PartitionProgress()
+    books.assign({P0: 0})
+    ends = {P0: 10}
+    books.stalled(0.0, ends.get, after_s=10.0)
+    books.revoke()
+    books.assign({P0: 0})
+    assert books.stalled(12.0, ends.get, after_s=10.0) == {}
+    assert books.stalled(22.0, ends.get, after_s=10.0) == {P0: 0}
