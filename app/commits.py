@@ -82,12 +82,14 @@ class TransactionCommits:
             await self._reseek(tp, offset, "hole")
         if self._pending_assignment is None and self._flowing():
             for tp, offset in self.progress.stalled(now, self._highwater, self.stall_after_s).items():
+                # NOTE: a seek is enough: in every stall seen, faust still had the
+                # partition active and aiokafka's position was at the log end
+                # (the records were dropped inside faust), so nothing to resume.
                 log.warning(
                     "partition %s: nothing decided from offset %d for %.0f s while its log reaches %s "
-                    "(fetch state: %s); resuming it and seeking back to %d",
+                    "(fetch state: %s); seeking back to %d",
                     tp.partition, offset, self.stall_after_s, self._highwater(tp), self._fetch_state(tp), offset,
                 )  # fmt: skip
-                self._resume(tp)
                 await self._reseek(tp, offset, "quiet")
         await self.commit()
 
@@ -134,12 +136,6 @@ class TransactionCommits:
         except Exception as exc:  # diagnostics only
             parts.append(f"aiokafka state unknown ({exc!r})")
         return ", ".join(parts)
-
-    def _resume(self, tp: Any) -> None:
-        """Make faust's fetcher ask for ``tp`` again, whatever took it out."""
-        consumer = self.app.consumer
-        consumer._buffered_partitions.discard(tp)
-        consumer.resume_partitions({tp})
 
     # --- consumer I/O ---------------------------------------------------------------------------
 

@@ -150,8 +150,8 @@ class Settings(BaseSettings):
     rebalance): what a crash redelivers is at most this much plus the batch in flight."""
     stall_after_s: float = 5.0
     """A partition of `transactions` with records waiting past its next offset
-    that decides nothing for this long is logged with its fetch state, resumed
-    and sought back (app/offsets.py, ``stalled``): a watchdog, not a timeout."""
+    that decides nothing for this long is logged with its fetch state and
+    sought back (app/offsets.py, ``stalled``): a watchdog, not a timeout."""
     web_host: str = "127.0.0.1"
     web_port: int = 6066
     """Each worker on one machine needs its own port."""

@@ -585,11 +585,10 @@ async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             batches = await consumer.getmany(timeout_ms=200)
-            if not batches and all(
-                consumer.highwater(tp) is not None and await consumer.position(tp) >= consumer.highwater(tp)
-                for tp in collector.parts
-            ):
-                break
+            if not batches:
+                positions = {tp: await consumer.position(tp) for tp in collector.parts}
+                if all((consumer.highwater(tp) or 0) <= positions[tp] for tp in collector.parts):
+                    break
             for tp, records in batches.items():
                 for record in records:
                     if any(i.encode() in record.value for i in wanted):
