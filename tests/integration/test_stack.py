@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,8 +59,6 @@ def test_topic_partitions_keys_and_headers_round_trip(
         finally:
             await producer.stop()
 
-        # Assigned partitions, no consumer group: a group join is held by the
-        # broker for half the session timeout, which this test does not need.
         consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest")
         await consumer.start()
         try:
@@ -109,17 +106,70 @@ def test_start_fails_clearly_when_the_port_is_taken(tmp_path: Path) -> None:
             stack.start_redis(port, workdir=tmp_path)
 
 
-def test_a_server_that_exits_is_reported_with_its_log(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = tmp_path / "tansu"
-    fake.write_text("#!/bin/sh\necho 'error: cannot open storage engine' >&2\nexit 3\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("CALF_TANSU_BIN", str(fake))
+def test_a_broker_that_cannot_start_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "kafka_2.13-0.0.jar").write_bytes(b"not a jar")  # the class path of a broken setup
+    monkeypatch.setenv("FRAUD_KAFKA_LIB", str(lib))
 
-    with pytest.raises(stack.StackError, match="exited before it was ready") as failure:
-        stack.start_broker(workdir=tmp_path)
-    assert "cannot open storage engine" in str(failure.value)
+    with pytest.raises(stack.StackError, match="formatting the broker's log dir failed") as failure:
+        stack.start_broker(workdir=tmp_path / "broker")
+    assert "kafka.tools.StorageTool" in str(failure.value)  # java's own words: the class is missing
+
+
+def test_a_missing_setup_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FRAUD_KAFKA_LIB", str(tmp_path))
+    with pytest.raises(stack.StackError, match="make setup"):
+        stack.start_broker(workdir=tmp_path / "broker")
+
+
+def test_broker_restart_keeps_topics_and_committed_transactions(tmp_path: Path) -> None:
+    """The local broker is a real log: a restart on the same state dir finds what
+    was committed, and transactions (InitProducerId) work on one node."""
+    topic = "kept"
+
+    async def produce(bootstrap: str) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+        finally:
+            await admin.close()
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, transactional_id="stack-test")
+        await producer.start()
+        try:
+            async with producer.transaction():
+                await producer.send(topic, b"committed")
+            await producer.begin_transaction()
+            await producer.send_and_wait(topic, b"aborted")
+            await producer.abort_transaction()
+        finally:
+            await producer.stop()
+
+    async def read(bootstrap: str) -> list[bytes]:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, isolation_level="read_committed", auto_offset_reset="earliest"
+        )
+        await consumer.start()
+        try:
+            consumer.assign([TopicPartition(topic, 0)])
+            batches = await consumer.getmany(timeout_ms=5000)
+            return [r.value for records in batches.values() for r in records]
+        finally:
+            await consumer.stop()
+
+    port = stack.free_port()
+    first = stack.start_broker(port, tmp_path, controller_port=stack.free_port())
+    try:
+        asyncio.run(produce(first.url))
+    finally:
+        first.stop()
+    assert not stack.pid_alive(first.pid)
+    again = stack.start_broker(port, tmp_path, controller_port=stack.free_port())
+    try:
+        assert asyncio.run(read(again.url)) == [b"committed"]
+    finally:
+        again.stop()
 
 
 def test_waiting_for_nothing_times_out_with_the_reason() -> None:
