@@ -93,6 +93,32 @@ class BatchOutput:
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
     shadow: _ShadowWork | None = None
     """The shadow model's share of this batch, done by :meth:`Scorer.finish`."""
+    origins: dict[str, list[int | None]] = field(
+        default_factory=lambda: {"decisions": [], "dead_letters": [], "feedback": []}
+    )
+    """Per list above, the input partition each record came from (index for
+    index): the agent commits each partition's records with its offsets."""
+
+    def add(self, kind: str, origin: Inbound, key: bytes | None, value: bytes) -> None:
+        """Append to ``decisions``, ``dead_letters`` or ``feedback``, noting where it came from."""
+        getattr(self, kind).append((key, value))
+        self.origins[kind].append(origin.partition)
+
+    def records_by_partition(
+        self, topics: dict[str, str], default: int
+    ) -> dict[int, list[tuple[str, bytes | None, bytes]]]:
+        """Every record to produce as (topic, key, value), grouped by input
+        partition (``default`` for records of unknown origin); ``topics`` maps
+        ``decisions``/``dead_letters``/``feedback``/``monitoring`` to topic names.
+        The batch's monitoring records go with the ``default`` partition."""
+        out: dict[int, list[tuple[str, bytes | None, bytes]]] = {}
+        for kind in ("decisions", "dead_letters", "feedback"):
+            for origin, (key, value) in zip(self.origins[kind], getattr(self, kind), strict=True):
+                out.setdefault(default if origin is None else origin, []).append((topics[kind], key, value))
+        extra = [orjson.dumps(self.monitoring)] if self.monitoring is not None else []
+        for value in extra + self.extra_monitoring:
+            out.setdefault(default, []).append((topics["monitoring"], None, value))
+        return out
 
 
 @dataclass
@@ -290,12 +316,12 @@ class Scorer:
             )
             record = decision.to_dict()
             records.append(record)
-            out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
+            out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
             out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, record))
             doc = self._feedback(tx, record, rows[i] if rows else None, rule, tallies[i])
             feedback_docs.append(doc)
-            out.feedback.append((tx.transaction_id.encode(), orjson.dumps(doc)))
+            out.add("feedback", msg, tx.transaction_id.encode(), orjson.dumps(doc))
             stats[action] += 1
             stats["degraded"] += score is None
         for msg, tx, leader in followers:  # resent within this very batch
@@ -455,7 +481,7 @@ class Scorer:
             correlation_id=msg.correlation_id,
             latency_ms=self._latency(msg, clock, self.wall_clock()),
         )
-        out.decisions.append((tx.transaction_id.encode(), orjson.dumps(record)))
+        out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
         out.outcomes[(str(record.get("action")), True)] += 1
 
     async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
@@ -495,22 +521,22 @@ class Scorer:
                 decided_at=now,
                 error=why.to_dict(),
             )
-            out.decisions.append((why.transaction_id.encode(), orjson.dumps(decision.to_dict())))
+            out.add("decisions", msg, why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
             out.outcomes[("reject", False)] += 1
-        out.dead_letters.append(
-            (
-                why.transaction_id.encode() if why.transaction_id else None,
-                orjson.dumps(
-                    {
-                        "error": why.to_dict(),
-                        "transaction_id": why.transaction_id,
-                        **self._kept_bytes(msg),
-                        "partition": msg.partition,
-                        "offset": msg.offset,
-                        "rejected_at": now,
-                    }
-                ),
-            )
+        out.add(
+            "dead_letters",
+            msg,
+            why.transaction_id.encode() if why.transaction_id else None,
+            orjson.dumps(
+                {
+                    "error": why.to_dict(),
+                    "transaction_id": why.transaction_id,
+                    **self._kept_bytes(msg),
+                    "partition": msg.partition,
+                    "offset": msg.offset,
+                    "rejected_at": now,
+                }
+            ),
         )
 
     def _kept_bytes(self, msg: Inbound) -> dict[str, Any]:

@@ -244,15 +244,13 @@ class PartitionOffsets:
 async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, PartitionOffsets]:
     """Highwater and the group's committed offset for every partition of ``transactions``.
 
-    NOTE: the highwater comes from a fetch response, as in the workers: the
-    local broker answers ListOffsets "latest" wrongly when the last record
-    batch held more than one record. The consumer is assigned the partitions
+    The highwater comes from a fetch response, as the workers see it. The consumer is assigned the partitions
     (it never joins the group, so the workers are not rebalanced), positioned
     at the group's committed offsets, and fetches at most a few bytes.
     """
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from app.topics import kafka_auth
+    from app.topics import kafka_auth, partitions_of
 
     topic = settings.topic_transactions
     consumer = AIOKafkaConsumer(
@@ -262,11 +260,10 @@ async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, Pa
     await consumer.start()
     try:
         deadline = time.monotonic() + timeout_s
-        # NOTE: metadata for all topics, not for this one by name: the local broker
-        # auto-creates a topic named in a metadata request (with 4 partitions).
-        if topic not in await consumer.topics():
+        partitions = (await partitions_of(consumer, [topic]))[topic]
+        if not partitions:
             raise ConfigError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         committed = {tp: await consumer.committed(tp) for tp in tps}
         for tp in tps:

@@ -1,4 +1,5 @@
-"""The scoring agent's own offset commits for `transactions` (why: app/offsets.py).
+"""The scoring agent's offsets of `transactions`: read at assignment, committed
+inside each batch's Kafka transaction (app/transactional.py), never by faust.
 
 Talks to faust's aiokafka consumer, which lives on a thread of its own: every
 call to it goes through that thread (``call_thread``), as faust's own calls do.
@@ -7,30 +8,52 @@ The bookkeeping itself is :class:`app.offsets.PartitionProgress`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from aiokafka.structs import OffsetAndMetadata, TopicPartition
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
 
 from app.offsets import Admitted, PartitionProgress, event_position
+from app.transactional import Fenced, PartitionBatch, TransactionalEmitter
 
 __all__ = ["TransactionCommits", "untrack_read_offsets"]
 
 log = logging.getLogger(__name__)
 
+#: Attempts at a partition's transaction before the worker exits (code 75)
+#: without committing, so that the batch is consumed again after a restart.
+COMMIT_ATTEMPTS = 5
+
 
 class TransactionCommits:
-    """Offsets of one topic, decided and committed by the agent, not by faust's acks."""
+    """Offsets of one topic, decided by the agent and committed in its transactions."""
 
-    def __init__(self, app: Any, topic: str, stall_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        topic: str,
+        emitter: TransactionalEmitter,
+        topics: dict[str, str],
+        stall_after_s: float = 5.0,
+        consumer_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.app = app
         self.topic = topic
+        self.emitter = emitter
+        #: ``decisions``/``dead_letters``/``feedback``/``monitoring`` -> topic name.
+        self.topics = topics
         self.stall_after_s = stall_after_s
+        self._consumer_options = dict(consumer_options or {})
         #: Called with "hole" or "quiet" at each seek back (the worker's metrics count them).
         self.on_reseek: Callable[[str], None] | None = None
+        #: Called with the number of partitions this worker was fenced from.
+        self.on_fenced: Callable[[int], None] | None = None
         self.progress: PartitionProgress[Any] = PartitionProgress()
         # Partitions assigned but whose committed offsets are not read yet: read
         # by the agent before its next batch, outside faust's rebalance callback.
@@ -39,12 +62,11 @@ class TransactionCommits:
     # --- rebalance signals (faust's app.on_partitions_revoked / _assigned) ----------------------
 
     async def on_revoked(self, revoked: Iterable[Any]) -> None:
-        generation = self.progress.generation
-        pending = self.progress.revoke()
+        # Nothing to commit: every decided batch committed its offsets with its
+        # outcomes. A batch in flight either commits before the next owner
+        # starts its producer, or is fenced and decided again by that owner.
+        self.progress.revoke()
         self._pending_assignment = None
-        if pending:
-            # The batches decided since the last commit: their next owner starts here.
-            await self._commit(pending, generation, why="revoked")
 
     async def on_assigned(self, assigned: Iterable[Any]) -> None:
         self.progress.revoke()  # nothing of an earlier assignment survives
@@ -56,6 +78,9 @@ class TransactionCommits:
         """The events to score now; seeks partitions back over records that never arrived."""
         if self._pending_assignment is not None:
             tps, self._pending_assignment = self._pending_assignment, None
+            # First fence the previous owners (a new producer epoch per partition),
+            # then read the offsets: whatever they committed is in them by then.
+            await self.emitter.assign(tp.partition for tp in tps)
             positions = await self._read_positions(tps)
             self.progress.assign(positions)
             log.info("deciding %s from offsets %s", self.topic, _fmt(positions))
@@ -67,15 +92,56 @@ class TransactionCommits:
                 "agent); seeking back to %d", tp.partition, first, offset, offset,
             )  # fmt: skip
             await self._reseek(tp, offset, "hole")
+        for tp, (expected, seen) in admitted.verify.items():
+            await self._verify_hole(tp, expected, seen)
         return admitted
 
-    def done(self, admitted: Admitted[Any, Any]) -> None:
-        """The batch's outcomes are delivered: its partitions move on."""
-        self.progress.done(admitted, event_position)
+    async def commit(self, admitted: Admitted[Any, Any], output: Any) -> None:
+        """Produce the batch's outcomes and commit its offsets, one transaction
+        per input partition; the partitions that committed move on.
+
+        A partition this worker was fenced from is dropped until the next
+        assignment (its new owner decides the batch). A transaction that fails
+        otherwise is aborted and retried with the same records; after
+        ``COMMIT_ATTEMPTS`` the process exits without committing, and the batch
+        is consumed again after the restart (or by the partition's next owner).
+        """
+        ends: dict[Any, int] = {}
+        for event in admitted.events:
+            tp, offset = event_position(event)
+            ends[tp] = max(ends.get(tp, -1), offset + 1)
+        by_number = {tp.partition: tp for tp in ends}
+        default = min(by_number)
+        records = output.records_by_partition(self.topics, default)
+        pending = {p: PartitionBatch(ends[tp], records.get(p, [])) for p, tp in by_number.items()}
+        delay = 0.1
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            results = await self.emitter.commit(pending)
+            done = {by_number[p]: pending[p].next_offset for p, r in results.items() if r is None}
+            fenced = [by_number[p] for p, r in results.items() if isinstance(r, Fenced)]
+            if done:
+                self.progress.done(admitted, event_position, only=set(done))
+                self.progress.committed(done, admitted.generation)
+            if fenced:
+                log.warning("fenced from partitions %s: their new owner decides this batch", _fmt_tps(fenced))
+                self.progress.forget(fenced)
+                if self.on_fenced is not None:
+                    self.on_fenced(len(fenced))
+            failed = {p: r for p, r in results.items() if r is not None and not isinstance(r, Fenced)}
+            if not failed:
+                return
+            log.warning(
+                "transaction for partitions %s failed (attempt %d/%d): %r",
+                sorted(failed), attempt, COMMIT_ATTEMPTS, next(iter(failed.values())),
+            )  # fmt: skip
+            pending = {p: pending[p] for p in failed}
+            await asyncio.sleep(delay)
+            delay *= 2
+        log.critical("cannot commit decisions; exiting without commit so the batch is consumed again")
+        os._exit(75)
 
     async def tick(self) -> None:
-        """Every ``FRAUD_COMMIT_INTERVAL_S``: re-seek stalled rewinds and stalled
-        partitions, commit what moved."""
+        """Every ``FRAUD_COMMIT_INTERVAL_S``: re-seek stalled rewinds and stalled partitions."""
         now = time.monotonic()
         for tp, offset in self.progress.stalled_rewinds(now).items():
             log.warning("partition %s: still waiting for offset %d; seeking back to it again", tp.partition, offset)
@@ -91,18 +157,49 @@ class TransactionCommits:
                     tp.partition, offset, self.stall_after_s, self._highwater(tp), self._fetch_state(tp), offset,
                 )  # fmt: skip
                 await self._reseek(tp, offset, "quiet")
-        await self.commit()
+
+    async def close(self) -> None:
+        await self.emitter.close()
 
     async def _reseek(self, tp: Any, offset: int, reason: str) -> None:
         await self.app.consumer.seek(tp, offset)
         if self.on_reseek is not None:
             self.on_reseek(reason)
 
-    async def commit(self) -> None:
-        """Commit what moved (a timer calls this every ``FRAUD_COMMIT_INTERVAL_S``, and the agent at stop)."""
-        offsets = self.progress.uncommitted()
-        if offsets:
-            await self._commit(offsets, self.progress.generation, why="interval")
+    async def _verify_hole(self, tp: Any, expected: int, seen: int) -> None:
+        """Offsets ``expected``..``seen - 1`` never reached the agent after many
+        seeks: read the log there with a consumer of our own. Only offsets that
+        hold no record a ``read_committed`` consumer can see (transaction
+        markers, aborted or compacted records) are skipped; if a record is
+        there, the partition keeps seeking and the error says so."""
+        consumer = AIOKafkaConsumer(
+            **self._consumer_options, enable_auto_commit=False, isolation_level="read_committed"
+        )
+        part = TopicPartition(tp.topic, tp.partition)
+        first: int | None = None
+        try:
+            await consumer.start()
+            consumer.assign([part])
+            consumer.seek(part, expected)
+            batch = await consumer.getmany(part, timeout_ms=2000, max_records=1)
+            records = batch.get(part, [])
+            first = records[0].offset if records else None
+        except Exception as exc:
+            log.error("partition %s: could not read offsets %d-%d to check them (%r)", tp.partition, expected, seen - 1, exc)
+        finally:
+            await consumer.stop()
+        if first is not None and first > expected:
+            log.warning(
+                "partition %s: offsets %d-%d hold no committed record (transaction markers or compaction); "
+                "continuing from %d", tp.partition, expected, first - 1, first,
+            )  # fmt: skip
+            self.progress.skip_to(tp, first)
+            await self._reseek(tp, first, "hole")
+        else:
+            log.error(
+                "partition %s: offset %s is in the log but faust never delivered it after many seeks; "
+                "still seeking (nothing is skipped)", tp.partition, expected,
+            )  # fmt: skip
 
     # --- the stall watchdog's view of faust's consumer (faust-streaming 0.15.3 internals) --------
 
@@ -120,21 +217,21 @@ class TransactionCommits:
     def _fetch_state(self, tp: Any) -> str:
         """Where a partition may be held back: faust's active/paused/buffered
         sets (its fetcher asks aiokafka only for active ones) and aiokafka's state."""
-        consumer = self.app.consumer
-        parts = [
-            f"faust active={tp in (consumer._active_partitions or ())}",
-            f"paused={tp in consumer._paused_partitions}",
-            f"buffered={tp in consumer._buffered_partitions}",
-        ]
         try:
+            consumer = self.app.consumer
+            parts = [
+                f"faust active={tp in (consumer._active_partitions or ())}",
+                f"paused={tp in consumer._paused_partitions}",
+                f"buffered={tp in consumer._buffered_partitions}",
+            ]
             _, kafka = self._thread_and_consumer()
             state = kafka._subscription.subscription.assignment.state_value(TopicPartition(tp.topic, tp.partition))
             parts.append(
                 f"aiokafka paused={state.paused} position={state.position if state.has_valid_position else None}"
             )
             parts.append(f"buffered_fetch={TopicPartition(tp.topic, tp.partition) in kafka._fetcher._records}")
-        except Exception as exc:  # diagnostics only
-            parts.append(f"aiokafka state unknown ({exc!r})")
+        except Exception as exc:  # diagnostics only: never stop the watchdog
+            return f"unknown ({exc!r})"
         return ", ".join(parts)
 
     # --- consumer I/O ---------------------------------------------------------------------------
@@ -165,19 +262,9 @@ class TransactionCommits:
 
         return await thread.call_thread(read)
 
-    async def _commit(self, offsets: Mapping[Any, int], generation: int, why: str) -> bool:
-        thread, consumer = self._thread_and_consumer()
-        request = {TopicPartition(tp.topic, tp.partition): OffsetAndMetadata(n, "") for tp, n in offsets.items()}
-        try:
-            await thread.call_thread(consumer.commit, request)
-        except Exception as exc:
-            # Not fatal: the offsets stay uncommitted and are retried; after a
-            # rebalance their next owner decides them again (duplicates, not loss).
-            log.warning("committing %s (%s) failed: %r", _fmt(offsets), why, exc)
-            return False
-        self.progress.committed(offsets, generation)
-        log.debug("committed %s (%s)", _fmt(offsets), why)
-        return True
+
+def _fmt_tps(tps: Iterable[Any]) -> str:
+    return ",".join(str(tp.partition) for tp in sorted(tps, key=lambda tp: tp.partition))
 
 
 def _fmt(offsets: Mapping[Any, int]) -> str:

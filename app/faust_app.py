@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import faust
-import orjson
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from agents.admission import Admission
@@ -36,9 +35,9 @@ from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
 from app.feedback_loop import install_feedback_loop
 from app.metrics import WorkerMetrics
-from app.produce import RawTopic
 from app.settings import Settings
-from app.topics import kafka_auth
+from app.topics import kafka_auth, producer_options
+from app.transactional import TransactionalEmitter
 from models.ensemble import ScoringModel
 from models.registry import load_ensemble
 
@@ -46,19 +45,20 @@ __all__ = ["Runtime", "base_app", "create_app"]
 
 log = logging.getLogger(__name__)
 
-SEND_ATTEMPTS = 5
 CACHE_WRITE_TIMEOUT_S = 0.1
 
 
-def _install_fetch_wait_setting() -> None:
-    """Make the consumer's fetch max wait come from the app instead of 1,500 ms.
+def _install_read_committed() -> None:
+    """Make faust's worker consumer read with ``isolation_level=read_committed``.
 
-    NOTE: faust 0.15.3 hard-codes ``fetch_max_wait_ms=1500`` when it builds the
-    worker's aiokafka consumer, and the local broker answers a waiting fetch
-    only when that wait expires, so it becomes the pipeline's latency. The
-    consumer is built before it starts, so setting the attribute it copies into
-    its fetcher at start is enough. Apps without ``fetch_max_wait_ms`` keep
-    faust's value.
+    NOTE: faust-streaming 0.15.3 reads committed data only in its own
+    exactly-once mode (``processing_guarantee="exactly_once"``, which this
+    project does not use: app/transactional.py says why). Everything the
+    scoring agent writes is transactional, and the feedback loop's agents read
+    ``feedback`` from the same consumer: an aborted batch's records must stay
+    invisible to them. The consumer is built before it starts, and aiokafka
+    hands ``_isolation_level`` to its fetcher at start, so setting it on the
+    new consumer is enough. tests/integration/test_pipeline.py checks it.
     """
     thread_cls = faust_aiokafka.AIOKafkaConsumerThread
     original = thread_cls._create_worker_consumer
@@ -67,9 +67,7 @@ def _install_fetch_wait_setting() -> None:
 
     def _create_worker_consumer(self: Any, transport: Any) -> Any:
         consumer = original(self, transport)
-        wait_ms = getattr(self.app, "fetch_max_wait_ms", None)
-        if wait_ms is not None:
-            consumer._fetch_max_wait_ms = int(wait_ms)
+        consumer._isolation_level = "read_committed"
         return consumer
 
     _create_worker_consumer._fraud_patched = True  # type: ignore[attr-defined]
@@ -165,7 +163,7 @@ def base_app(settings: Settings) -> faust.App:
     Shared by the scoring app and the benchmark's pass-through, so the two
     reach the broker in exactly the same way.
     """
-    _install_fetch_wait_setting()
+    _install_read_committed()
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = faust.App(
         settings.app_id,
@@ -185,7 +183,6 @@ def base_app(settings: Settings) -> faust.App:
         # changelog and repartition topics, with the source's partition count.
         topic_allow_declare=True,
     )
-    app.fetch_max_wait_ms = settings.consumer_fetch_max_wait_ms  # read by the patch above
     return app
 
 
@@ -196,10 +193,28 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     metrics = WorkerMetrics.install(app, settings, faust_sensors=settings.faust_sensors)  # /metrics
     metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
-    # acks=False: faust never commits `transactions`; the agent commits what it
-    # decided (app/offsets.py says why).
+    # acks=False: faust never commits `transactions`; each batch's transaction
+    # does (app/transactional.py, app/offsets.py).
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **raw)
-    commits = TransactionCommits(app, settings.topic_transactions, stall_after_s=settings.stall_after_s)
+    emitter = TransactionalEmitter(
+        app_id=settings.app_id,
+        group_id=settings.app_id,  # faust's consumer group
+        topic=settings.topic_transactions,
+        producer_options=producer_options(settings),
+    )
+    commits = TransactionCommits(
+        app,
+        settings.topic_transactions,
+        emitter,
+        topics={
+            "decisions": settings.topic_decisions,
+            "dead_letters": settings.topic_dlq,
+            "feedback": settings.topic_feedback,
+            "monitoring": settings.topic_monitoring,
+        },
+        stall_after_s=settings.stall_after_s,
+        consumer_options={"bootstrap_servers": settings.kafka_bootstrap, **kafka_auth(settings)},
+    )
     metrics.committed = commits.progress.committed_offsets  # lag = fetch highwater - this
     commits.on_reseek = lambda reason: metrics.partition_reseeks.labels(reason).inc()
     untrack_read_offsets(app, settings.topic_transactions)
@@ -243,22 +258,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             if tally.apply(label):
                 merchant_labels[label.merchant_id] = tally.to_json()
 
-    raw_decisions, raw_dead_letters = RawTopic(app, settings.topic_decisions), RawTopic(app, settings.topic_dlq)
-    raw_feedback, raw_monitoring = RawTopic(app, settings.topic_feedback), RawTopic(app, settings.topic_monitoring)
-
-    async def emit(scorer: Scorer, output: BatchOutput) -> None:
-        # Enqueue everything first, then await the decisions' deliveries together.
-        # Straight to the producer, not faust's Topic.send (app/produce.py says why).
-        pending = [await raw_decisions.send(k, v) for k, v in output.decisions]
-        pending += [await raw_dead_letters.send(k, v) for k, v in output.dead_letters]
-        await scorer.finish(output)  # the shadow model, after the decisions are on their way
-        for k, v in output.feedback:
-            await raw_feedback.send(k, v)
-        if output.monitoring is not None:
-            await raw_monitoring.send(None, orjson.dumps(output.monitoring))
-        for v in output.extra_monitoring:
-            await raw_monitoring.send(None, v)
-        await asyncio.gather(*pending)
+    async def write_cache(scorer: Scorer, output: BatchOutput) -> None:
         if output.to_cache:
             # NOTE: awaited before the next batch is taken: a resend one batch
             # behind its original must find this decision (a fire-and-forget
@@ -291,19 +291,19 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                     batch = [_inbound(event) for event in admitted.events]
                     await reloader.apply(scorer)  # a promoted model or rules, between batches
                     output = await scorer.score_batch(batch)
-                    await _deliver(emit, scorer, output)
+                    await scorer.finish(output)  # the shadow model: adds to the feedback records
+                    await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
+                    await write_cache(scorer, output)
                     metrics.observe_batch(batch, output, started)
-                commits.done(admitted)
         finally:
-            # A clean stop commits what was decided (else the next owner decides it again).
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(commits.commit(), 2.0)
+                await asyncio.wait_for(commits.close(), 5.0)
 
     app.runtime = runtime
     app.metrics = metrics
 
     @app.timer(settings.commit_interval_s)
-    async def commit_decided() -> None:
+    async def watch_partitions() -> None:
         await commits.tick()
 
     app.scoring_agent = score
@@ -329,19 +329,3 @@ def _inbound(event: Any) -> Inbound:
         partition=message.partition,
         offset=message.offset,
     )
-
-
-async def _deliver(emit: Any, scorer: Scorer, output: BatchOutput) -> None:
-    """Produce a batch's outcomes; if the broker will not take them, stop the
-    process *without* committing, so the batch is redelivered after restart."""
-    delay = 0.2
-    for attempt in range(1, SEND_ATTEMPTS + 1):
-        try:
-            await emit(scorer, output)
-            return
-        except Exception as exc:
-            log.warning("producing decisions failed (attempt %d/%d): %r", attempt, SEND_ATTEMPTS, exc)
-            await asyncio.sleep(delay)
-            delay *= 2
-    log.critical("cannot deliver decisions; exiting without commit so the batch is redelivered")
-    os._exit(75)

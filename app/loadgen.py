@@ -108,7 +108,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, linger_ms=2, **auth)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=s.kafka_bootstrap, group_id=None, enable_auto_commit=False,
-        fetch_max_wait_ms=20, **auth,
+        fetch_max_wait_ms=20, isolation_level="read_committed", **auth,
     )
     await producer.start()
     await consumer.start()

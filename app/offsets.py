@@ -16,19 +16,20 @@ declared with ``acks=False`` so faust never commits it:
   now, or below the next offset (already decided), is skipped; one *above* it
   means records in between never reached the agent, so the partition is sought
   back to the next offset and its events are skipped until that offset arrives;
-- after a batch's outcomes are delivered, the next offsets advance, unless a
-  rebalance happened meanwhile (its new owner starts from the committed
-  offset and decides them again: a duplicate, never a loss);
-- commits carry only those offsets, on a timer and when partitions are revoked.
+- a batch's outcomes and its next offsets are committed in one Kafka
+  transaction per partition (app/transactional.py); the next offsets advance
+  for the partitions whose transaction committed.
 
 A seek can be undone by records already on their way (faust then drops the
 re-fetched ones as read), so a partition still waiting after ``reseek_after_s``
 is sought back again, by the next batch or by the commit timer. Offsets within
-a partition are contiguous on the embedded broker and on Kafka without
-transactional producers; a real hole (compaction, transaction markers) looks
-like records that never come, so after ``max_seeks`` seeks that each met a
-later offset first the hole is accepted, with an error in the log, rather than
-stall the partition for ever.
+a partition are contiguous when producers are not transactional; a real hole
+(transaction markers of a transactional producer, compaction) looks like
+records that never come, so after ``max_seeks`` seeks that each met a later
+offset first the agent reads the log there with a consumer of its own
+(app/commits.py): only offsets that hold no committed record are skipped; if a
+record is there, the partition keeps seeking, with an error each time. Nothing
+is ever skipped on a guess.
 
 A partition can also go quiet with records waiting and no hole to see: the
 agent receives nothing of it at all, so nothing above trips. ``stalled``
@@ -65,6 +66,9 @@ class Admitted(Generic[TP, E]):
     generation: int
     #: partition -> offset to seek back to (records before the first event seen never arrived)
     rewind: dict[TP, int] = field(default_factory=dict)
+    #: partition -> (next offset, first offset seen) after ``max_seeks`` seeks did not bring
+    #: the next one: the caller reads the log to tell a real hole from records faust drops
+    verify: dict[TP, tuple[int, int]] = field(default_factory=dict)
     skipped_unassigned: int = 0
     skipped_decided: int = 0
     skipped_rewinding: int = 0
@@ -152,23 +156,38 @@ class PartitionProgress(Generic[TP]):
                 out.rewind[tp] = expected
                 out.skipped_rewinding += 1
             else:
-                log.error(
-                    "partition %s: offsets %d-%d never arrived after %d seeks over %.1f s; treating them "
-                    "as absent from the log (compaction or transaction markers?)",
-                    tp, expected, offset - 1, rewind.seeks, now - rewind.since,
-                )  # fmt: skip
-                del self._rewinding[tp]
-                out.events.append(event)
-                self._admitted[tp] = offset + 1
+                # Never skipped on a guess: the caller checks the log (skip_to) or keeps seeking.
+                rewind.seeks = 0
+                rewind.last_seek = now
+                out.verify[tp] = (expected, offset)
+                out.skipped_rewinding += 1
         return out
 
-    def done(self, admitted: Admitted[TP, E], key: Callable[[E], tuple[TP, int]]) -> bool:
-        """The batch's outcomes were delivered: its partitions move on. False if a
-        rebalance came in between (nothing moves; the new owner decides them again)."""
+    def skip_to(self, tp: TP, offset: int) -> None:
+        """Offsets of ``tp`` below ``offset`` were read from the log and hold no
+        record to decide (transaction markers, compaction): continue from ``offset``."""
+        if tp in self._admitted and offset > self._admitted[tp]:
+            self._admitted[tp] = offset
+            self._rewinding.pop(tp, None)
+
+    def forget(self, tps: Iterable[TP]) -> None:
+        """This worker lost ``tps`` (fenced by their new owner): skip them until the next assignment."""
+        for tp in tps:
+            for books in (self._next, self._admitted, self._committed, self._rewinding, self._quiet_since):
+                books.pop(tp, None)
+
+    def done(
+        self, admitted: Admitted[TP, E], key: Callable[[E], tuple[TP, int]], only: set[TP] | None = None
+    ) -> bool:
+        """The batch's outcomes were delivered (for the partitions in ``only``,
+        when given): they move on. False if a rebalance came in between (nothing
+        moves; the new owner decides them again)."""
         if admitted.generation != self.generation:
             return False
         for event in admitted.events:
             tp, offset = key(event)
+            if only is not None and tp not in only:
+                continue
             if tp in self._next and offset >= self._next[tp]:
                 self._next[tp] = offset + 1
                 self._quiet_since.pop(tp, None)

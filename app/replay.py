@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agents.labels import Label, parse_label
 from app.settings import Settings
-from app.topics import kafka_auth
+from app.topics import kafka_auth, partitions_of
 
 __all__ = ["read_feedback", "read_labels", "read_topic"]
 
@@ -34,23 +34,18 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 120.0
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=50,
+        isolation_level="read_committed",  # decisions are written in transactions
         max_partition_fetch_bytes=8 * 1024 * 1024,
         **kafka_auth(settings),
     )
     await consumer.start()
     try:
-        partitions = consumer.partitions_for_topic(topic)
-        if partitions is None:
-            await consumer._client.force_metadata_update()  # a topic this client has not asked about yet
-            partitions = consumer.partitions_for_topic(topic) or set()
+        partitions = (await partitions_of(consumer, [topic]))[topic] or set()
         parts = [TopicPartition(topic, p) for p in sorted(partitions)]
         if not parts:
             return []
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
-        # NOTE: the local broker's ListOffsets "latest" is too low when the last
-        # record batch held more than one record, so end_offsets() would stop
-        # early: the high watermark of the fetch responses is right.
         remaining = set(parts)
         out: list[tuple[bytes | None, bytes, float]] = []
         deadline = time.monotonic() + timeout_s
@@ -61,8 +56,10 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 120.0
             for records in batches.values():
                 out.extend((r.key, r.value, (r.timestamp or 0) / 1000.0) for r in records)
             for tp in list(remaining):
-                highwater = consumer.highwater(tp)
-                if highwater is not None and await consumer.position(tp) >= highwater:
+                # read_committed: the end is the last stable offset (records past
+                # it belong to a transaction still open, or are its marker).
+                end = consumer.last_stable_offset(tp)
+                if end is not None and await consumer.position(tp) >= end:
                     remaining.discard(tp)
         return out
     finally:

@@ -38,7 +38,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from app.errors import ConfigError
 from app.settings import Settings
-from app.topics import kafka_auth
+from app.topics import kafka_auth, partitions_of
 
 __all__ = ["Outcome", "Replies", "assignable", "correlation_of_dead_letter"]
 
@@ -68,19 +68,15 @@ def correlation_of_dead_letter(doc: dict[str, Any]) -> str | None:
 
 
 async def assignable(consumer: AIOKafkaConsumer, topics: Sequence[str], wait_s: float = 10.0) -> list[TopicPartition]:
-    """Every partition of ``topics``, once the consumer's metadata knows them all.
-
-    NOTE: metadata is refreshed with ``topics()`` (all topics), never by naming a
-    topic: the local broker auto-creates a named unknown topic with 4 partitions."""
+    """Every partition of ``topics``, once the broker's metadata has them all."""
     deadline = time.monotonic() + wait_s
     while True:
-        known = {topic: consumer.partitions_for_topic(topic) for topic in topics}
+        known = await partitions_of(consumer, topics)
         if all(known.values()):
             return [TopicPartition(topic, p) for topic in topics for p in sorted(known[topic] or ())]
         if time.monotonic() > deadline:
             missing = sorted(topic for topic, parts in known.items() if not parts)
             raise ConfigError(f"topics {missing} do not exist; run `fraud-pipeline topics`")
-        await consumer.topics()
         await asyncio.sleep(0.2)
 
 
@@ -103,6 +99,8 @@ class TopicReader:
             group_id=None,
             enable_auto_commit=False,
             fetch_max_wait_ms=fetch_max_wait_ms,
+            # Decisions are written in transactions: only committed ones are answers.
+            isolation_level="read_committed",
             **kafka_auth(s),
         )
         await consumer.start()

@@ -134,15 +134,20 @@ class Settings(BaseSettings):
     """Partitions of ``transactions`` (and of ``decisions``): the unit of scaling."""
 
     consumer_fetch_max_wait_ms: int = 20
-    """How long a fetch waits for data. NOTE: faust hard-codes 1,500 ms and the
-    local broker does not wake a waiting fetch when data arrives, so this *is*
-    the idle latency; 10-50 ms trades latency against fetch CPU on 2 cores."""
+    """How long the gateway's reply reader's fetch waits when there is no data
+    (Kafka answers as soon as data arrives; this bounds how long a new
+    partition assignment or a stop waits)."""
 
     producer_linger_s: float = 0.002
     """Producer linger: a few ms lets one batch's decisions go in one request."""
 
+    producer_retry_backoff_ms: int = 5
+    """Backoff of the scoring path's transactional producers before a retried
+    request (app/topics.py ``producer_options`` says why it is short)."""
+
     session_timeout_s: float = 6.0
-    """Consumer group session timeout (the local broker holds JoinGroup for half of it)."""
+    """Consumer group session timeout: how long a worker that died (kill -9)
+    holds its partitions before the group moves them."""
 
     heartbeat_interval_s: float = 1.5
     commit_interval_s: float = 1.0

@@ -122,6 +122,7 @@ BROKER_CONFIG: dict[str, str] = {
     "num.recovery.threads.per.data.dir": "1",
     "num.network.threads": "2",
     "num.io.threads": "4",
+    "transaction.partition.verification.enable": "false",
 }
 
 _BROKER_LOG4J = """\

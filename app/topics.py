@@ -1,8 +1,8 @@
 """Create every topic explicitly, with its partition count, before workers start.
 
-NOTE: the local broker auto-creates unknown topics with 4 partitions on the
-first metadata request, which gives faust a source/changelog partition mismatch;
-so nothing is left to auto-creation.
+Nothing is left to a broker's auto-creation: its default partition count
+would give faust a source/changelog partition mismatch (the local broker has
+auto-creation off).
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
 from app.settings import Settings
 
-__all__ = ["ensure_topics", "topic_partitions"]
+__all__ = ["ensure_topics", "kafka_auth", "producer_options", "topic_partitions"]
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +79,33 @@ def kafka_auth(settings: Settings) -> dict[str, object]:
     elif settings.kafka_ssl:
         opts["security_protocol"] = "SSL"
     return opts
+
+
+def producer_options(settings: Settings) -> dict[str, object]:
+    """aiokafka producer options of the scoring path (app/transactional.py adds the
+    transactional ones)."""
+    return {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "client_id": f"{settings.app_id}-score",
+        "linger_ms": int(settings.producer_linger_s * 1000),
+        # NOTE: after a transaction ends, the next one's first request can meet
+        # CONCURRENT_TRANSACTIONS while the broker writes the markers; aiokafka
+        # waits retry_backoff_ms (100 ms by default) before trying again, which
+        # was most of a batch's commit time. The Java client retries this after 20 ms.
+        "retry_backoff_ms": settings.producer_retry_backoff_ms,
+        **kafka_auth(settings),
+    }
+
+
+async def partitions_of(consumer: object, topics: Sequence[str]) -> dict[str, set[int] | None]:
+    """The partitions of each of ``topics`` (None for a topic that does not exist),
+    from a metadata request for all topics.
+
+    NOTE: aiokafka 0.14 internals (``consumer._client.fetch_all_metadata``): a
+    consumer without a subscription tracks no topics, so its public
+    ``partitions_for_topic`` stays None until it is assigned partitions, which
+    needs their numbers first. tests/integration/test_gateway.py and
+    test_autoscale_broker.py fail if this stops working.
+    """
+    cluster = await consumer._client.fetch_all_metadata()  # type: ignore[attr-defined]
+    return {topic: cluster.partitions_for_topic(topic) for topic in topics}

@@ -37,6 +37,7 @@ from agents.labels import parse_label
 from app import stack
 from app.contract import ACTIONS
 from app.materialize import materialize
+from app.topics import partitions_of
 from workers import REPO, RULES, Topics, TxFactory, Workers, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -345,10 +346,10 @@ def test_openapi_document_and_health(rig: Rig) -> None:
 async def read_label(bootstrap: str, topic: str, transaction_id: str, timeout: float) -> bytes:
     """The first record on ``topic`` (read from offset 0) labelling ``transaction_id``."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                fetch_max_wait_ms=50)  # fmt: skip
+                                fetch_max_wait_ms=50, isolation_level="read_committed")  # fmt: skip
     await consumer.start()
     try:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        parts = [TopicPartition(topic, p) for p in sorted((await partitions_of(consumer, [topic]))[topic] or ())]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         deadline = time.monotonic() + timeout
@@ -450,10 +451,10 @@ def test_review_page_labels_a_transaction_in_a_browser(rig: Rig, browser: Any, t
 async def changelog_end(bootstrap: str, topic: str) -> int:
     """Records in ``topic`` so far (highwater of a first fetch: the broker's "latest" is unreliable)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                fetch_max_wait_ms=50)  # fmt: skip
+                                fetch_max_wait_ms=50, isolation_level="read_committed")  # fmt: skip
     await consumer.start()
     try:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        parts = [TopicPartition(topic, p) for p in sorted((await partitions_of(consumer, [topic]))[topic] or ())]
         if not parts:
             return 0
         consumer.assign(parts)

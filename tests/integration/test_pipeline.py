@@ -124,7 +124,8 @@ async def read_outcomes(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        fetch_max_wait_ms=20,  # the local broker does not wake a waiting fetch
+        fetch_max_wait_ms=20,
+        isolation_level="read_committed",
     )
     await consumer.start()
     out = Outcomes()

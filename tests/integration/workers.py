@@ -408,7 +408,8 @@ class Collector:
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            fetch_max_wait_ms=20,  # the local broker does not wake a waiting fetch
+            fetch_max_wait_ms=20,
+            isolation_level="read_committed",  # what a consumer of decisions must use
             max_partition_fetch_bytes=8 * 1024 * 1024,
         )
         await self._consumer.start()
@@ -576,7 +577,8 @@ async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
     """Whether ``ids`` are on the decision and dead-letter topics, read again
     from offset 0 by a fresh consumer: tells a worker that never produced them
     from a collector that missed them (for a failure's message)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20,
+                                isolation_level="read_committed")
     await consumer.start()
     wanted, found = set(ids), Counter()
     try:
@@ -587,7 +589,7 @@ async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
             batches = await consumer.getmany(timeout_ms=200)
             if not batches:
                 positions = {tp: await consumer.position(tp) for tp in collector.parts}
-                if all((consumer.highwater(tp) or 0) <= positions[tp] for tp in collector.parts):
+                if all((consumer.last_stable_offset(tp) or 0) <= positions[tp] for tp in collector.parts):
                     break
             for tp, records in batches.items():
                 for record in records:

@@ -80,16 +80,31 @@ def test_the_commit_timer_re_seeks_a_partition_that_went_quiet() -> None:
     assert books.stalled_rewinds(now=1.2) == {}
 
 
-def test_a_real_hole_in_the_log_is_accepted_after_many_seeks() -> None:
+def test_a_hole_is_never_skipped_on_a_guess_only_after_the_log_was_read() -> None:
     books: PartitionProgress[tuple[str, int]] = PartitionProgress(reseek_after_s=1.0, max_seeks=3)
     books.assign({P0: 5})
     assert books.admit([ev(P0, 8)], key, now=0.0).rewind == {P0: 5}
     assert books.admit([ev(P0, 8)], key, now=1.0).rewind == {P0: 5}
     assert books.admit([ev(P0, 8)], key, now=2.0).rewind == {P0: 5}
     late = books.admit([ev(P0, 8), ev(P0, 9)], key, now=3.0)
-    assert late.events == [ev(P0, 8), ev(P0, 9)]
-    books.done(late, key)
+    assert late.events == [] and late.verify == {P0: (5, 8)}  # the caller reads the log at 5
+    # Still nothing skipped while nobody has read the log: the next batch waits too.
+    assert books.admit([ev(P0, 8)], key, now=3.5).events == []
+    books.skip_to(P0, 8)  # the log holds no committed record at 5-7 (markers, compaction)
+    after = books.admit([ev(P0, 8), ev(P0, 9)], key, now=4.0)
+    assert after.events == [ev(P0, 8), ev(P0, 9)]
+    books.done(after, key)
     assert books.uncommitted() == {P0: 10}
+
+
+def test_a_fenced_partition_is_skipped_until_assigned_again() -> None:
+    books: PartitionProgress[tuple[str, int]] = PartitionProgress()
+    books.assign({P0: 0, P1: 0})
+    batch = books.admit([ev(P0, 0), ev(P1, 0)], key, now=0.0)
+    books.done(batch, key, only={P1})  # P0's transaction was fenced
+    books.forget([P0])
+    assert books.positions() == {P1: 1}
+    assert books.admit([ev(P0, 0), ev(P1, 1)], key, now=1.0).skipped_unassigned == 1
 
 
 def test_a_batch_that_straddles_a_rebalance_moves_nothing() -> None:
