@@ -8,12 +8,23 @@ never reaches the feature store, so nothing is counted twice.
 :class:`RedisDecisionCache` shares decisions across workers (a partition that
 moves to another worker after a rebalance keeps its cache); lookups for a
 whole batch are one ``MGET`` (one per slot on a Redis Cluster).
+
+:class:`LocalFirstCache` is what a worker uses: its own recent decisions in
+memory first (a resend carries the same user, so it lands on the same
+partition, usually on the same worker), Redis for the rest, retried for at
+most ``wait_s``. What neither could check comes back as :data:`UNCHECKED`,
+and the scorer then marks the decision *provisional*, which never approves
+(agents/score.py): a resend is never answered with a decision that could
+contradict the first one because Redis was slow.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -23,7 +34,27 @@ from agents.feature_store import TTLCache
 from app.contract import Transaction
 from app.redis_client import is_cluster_client
 
-__all__ = ["DecisionCache", "InMemoryDecisionCache", "RedisDecisionCache", "content_hash", "decision_keys"]
+__all__ = [
+    "UNCHECKED",
+    "DecisionCache",
+    "InMemoryDecisionCache",
+    "LocalFirstCache",
+    "RedisDecisionCache",
+    "content_hash",
+    "decision_keys",
+]
+
+log = logging.getLogger(__name__)
+
+
+class _Unchecked:
+    """A lookup that could not be made (the shared cache did not answer in time)."""
+
+    def __repr__(self) -> str:
+        return "UNCHECKED"
+
+
+UNCHECKED: Any = _Unchecked()
 
 _CONTENT_FIELDS = ("user_id", "amount", "currency", "merchant_id", "device_id", "lat", "lon", "timestamp")
 
@@ -44,7 +75,9 @@ def decision_keys(tx: Transaction) -> tuple[str, str]:
 
 
 class DecisionCache(Protocol):
-    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]: ...
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        """Per transaction: its earlier decision, None (none), or :data:`UNCHECKED`; may raise."""
+        ...
 
     async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None: ...
 
@@ -126,3 +159,73 @@ class InMemoryDecisionCache:
             for key in decision_keys(tx):
                 if not self._items.get(key, now)[0]:
                     self._items.put(key, decision, now)
+
+
+class LocalFirstCache:
+    """This worker's recent decisions in memory, then a shared cache (Redis).
+
+    ``get_many`` never raises: a transaction the shared cache could not be
+    asked about within ``wait_s`` (retrying every ``retry_every_s``) is
+    :data:`UNCHECKED`. ``put_many`` stores locally first, then in the shared
+    cache (its failure is raised for the caller to log).
+    """
+
+    def __init__(
+        self,
+        shared: DecisionCache,
+        *,
+        capacity: int = 40_000,
+        ttl_s: float = 3600,
+        wait_s: float = 0.15,
+        retry_every_s: float = 0.01,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.shared = shared
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self.wait_s = wait_s
+        self.retry_every_s = retry_every_s
+        self._clock = clock
+        self._items: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        self.unchecked = 0
+        """Lookups left unchecked so far (the worker's metrics read it)."""
+
+    def _get_local(self, tx: Transaction, now: float) -> dict[str, Any] | None:
+        for key in decision_keys(tx):
+            item = self._items.get(key)
+            if item is not None and item[0] > now:
+                return item[1]
+        return None
+
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        now = self._clock()
+        out: list[Any] = [self._get_local(tx, now) for tx in txs]
+        misses = [i for i, hit in enumerate(out) if hit is None]
+        if not misses:
+            return out
+        deadline = now + self.wait_s
+        while True:
+            try:
+                remote = await self.shared.get_many([txs[i] for i in misses])
+                break
+            except Exception as exc:
+                if self._clock() + self.retry_every_s >= deadline:
+                    log.warning("decision cache unavailable for %.0f ms (%r): %d lookups unchecked",
+                                self.wait_s * 1000, exc, len(misses))  # fmt: skip
+                    remote = [UNCHECKED] * len(misses)
+                    break
+                await asyncio.sleep(self.retry_every_s)
+        for i, hit in zip(misses, remote):
+            out[i] = hit
+            self.unchecked += hit is UNCHECKED
+        return out
+
+    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        expires = self._clock() + self.ttl_s
+        for tx, decision in items:
+            for key in decision_keys(tx):
+                if key not in self._items:  # the first decision stands, as in Redis (NX)
+                    self._items[key] = (expires, decision)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        await self.shared.put_many(items)

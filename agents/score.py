@@ -33,7 +33,7 @@ import orjson
 
 from agents.admission import Admission
 from agents.auth import UNSIGNED, AuthResult
-from agents.cache import DecisionCache, content_hash
+from agents.cache import UNCHECKED, DecisionCache, content_hash
 from agents.decide import explain
 from agents.drift import DriftMonitor
 from agents.feature_store import Enrichment, FeatureStore
@@ -54,6 +54,7 @@ DLQ_PREFIX_BYTES = 4096
 MAX_DLQ_HEADERS = 64
 MAX_HEADER_NAME = 256
 SCORE_BINS = np.linspace(0.0, 1.0, 11)
+PROVISIONAL_REASON = "provisional: the decision cache could not be read, so a resend could not be ruled out (never approves)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +246,7 @@ class Scorer:
         clock.lap("validate")
 
         # 2. cache: resends are answered as before and go no further
-        fresh, followers, hits = await self._answer_from_cache(valid, stats)
+        fresh, followers, hits, unchecked = await self._answer_from_cache(valid, stats)
         clock.lap("cache")
         for msg, tx, hit in hits:  # emitted after the lap, so their latency shows every stage so far
             self._emit_cached(out, msg, tx, hit, clock)
@@ -292,7 +293,13 @@ class Scorer:
             words = explain(reasons, rows[i], outcome.hits) if rows else list(outcome.hits)
             if score is None:
                 words.append(f"degraded: {degraded_reason}")
-            drafts.append((msg, tx, score, outcome.action, words, outcome.rule))
+            action = outcome.action
+            if tx.transaction_id in unchecked:
+                # Maybe a resend of a payment decided before: never approve what
+                # might have been declined (agents/cache.py, LocalFirstCache).
+                action = "review" if action == "approve" else action
+                words.append(PROVISIONAL_REASON)
+            drafts.append((msg, tx, score, action, words, outcome.rule))
         clock.lap("rules")
 
         decided = self.wall_clock()
@@ -313,6 +320,7 @@ class Scorer:
                 latency_ms=self._latency(msg, clock, decided),
                 correlation_id=msg.correlation_id,
                 decided_at=decided,
+                provisional=tx.transaction_id in unchecked,
             )
             record = decision.to_dict()
             records.append(record)
@@ -324,6 +332,7 @@ class Scorer:
             out.add("feedback", msg, tx.transaction_id.encode(), orjson.dumps(doc))
             stats[action] += 1
             stats["degraded"] += score is None
+            stats["provisional"] += tx.transaction_id in unchecked
         for msg, tx, leader in followers:  # resent within this very batch
             self._emit_cached(out, msg, tx, records[leader], clock)
             stats["cached"] += 1
@@ -442,16 +451,20 @@ class Scorer:
         list[tuple[Inbound, Transaction]],
         list[tuple[Inbound, Transaction, int]],
         list[tuple[Inbound, Transaction, dict[str, Any]]],
+        set[str],
     ]:
         """Split into the transactions to score, the in-batch resends (with the
-        index of the copy they follow) and the cache hits."""
+        index of the copy they follow) and the cache hits; plus the ids the
+        cache could not check (their decisions are provisional)."""
         if not valid:
-            return [], [], []
+            return [], [], [], set()
         try:
             hits = await self.cache.get_many([tx for _, tx in valid])
         except Exception as exc:
-            log.warning("decision cache unavailable (%r): scoring without it", exc)
-            hits = [None] * len(valid)
+            log.warning("decision cache unavailable (%r): decisions are provisional", exc)
+            hits = [UNCHECKED] * len(valid)
+        unchecked = {tx.transaction_id for (_, tx), hit in zip(valid, hits) if hit is UNCHECKED}
+        hits = [None if hit is UNCHECKED else hit for hit in hits]
         fresh: list[tuple[Inbound, Transaction]] = []
         followers: list[tuple[Inbound, Transaction, int]] = []
         answered: list[tuple[Inbound, Transaction, dict[str, Any]]] = []
@@ -469,7 +482,7 @@ class Scorer:
             for k in keys:
                 first_in_batch[k] = len(fresh)
             fresh.append((msg, tx))
-        return fresh, followers, answered
+        return fresh, followers, answered, unchecked
 
     def _emit_cached(
         self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock

@@ -130,6 +130,9 @@ class Decision:
     correlation_id: str | None = None
     decided_at: float = 0.0
     error: dict[str, str] | None = None
+    provisional: bool = False
+    """The decision cache could not be read: maybe a resend of a payment decided
+    before, so this decision never approves (``approve`` became ``review``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,4 +150,5 @@ class Decision:
             "correlation_id": self.correlation_id,
             "decided_at": self.decided_at,
             "error": self.error,
+            "provisional": self.provisional,
         }

@@ -23,7 +23,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from agents.admission import Admission
 from agents.auth import ClientKeys, RedisReplayGuard
-from agents.cache import RedisDecisionCache
+from agents.cache import LocalFirstCache, RedisDecisionCache
 from agents.feature_store import RedisFeatureStore
 from agents.ratelimit import RedisRateLimiter
 from agents.reload import Reloader
@@ -110,7 +110,11 @@ class Runtime:
             model=self.model,
             rules=self.rules,
             store=RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s),
-            cache=RedisDecisionCache(client, s.decision_cache_ttl_s),
+            cache=LocalFirstCache(
+                RedisDecisionCache(client, s.decision_cache_ttl_s),
+                ttl_s=s.decision_cache_ttl_s,
+                wait_s=s.cache_wait_s,
+            ),
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,

@@ -60,6 +60,10 @@ def _decision_schema() -> dict[str, Any]:
             "rules_version": nullable_str,
             "cached": {"type": "boolean", "description": "Answered from the decision cache (a resend)."},
             "degraded": {"type": "boolean", "description": "Rules only: model over budget or features unavailable."},
+            "provisional": {
+                "type": "boolean",
+                "description": "The decision cache could not be read, so a resend could not be ruled out: never approves.",
+            },
             "feature_age_s": nullable_num,
             "latency_ms": {"type": "object", "additionalProperties": _NUM},
             "correlation_id": nullable_str,

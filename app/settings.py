@@ -189,6 +189,12 @@ class Settings(BaseSettings):
     decision_cache_ttl_s: int = 3600
     """A resend (same transaction id or same content) within this gets the same decision."""
 
+    cache_wait_s: float = 0.15
+    """How long a batch retries the shared decision cache (Redis) before the
+    transactions it could not check are decided *provisionally*: never
+    ``approve`` (a resend of a declined payment must not be approved because
+    Redis was slow). The worker's own recent decisions answer first, from memory."""
+
     profile_cache_ttl_s: float = 30.0
     """Local cache of profiles and merchant risk: they change once a day."""
 

@@ -518,7 +518,8 @@ class Tally:
 
     def line(self, name: str, **extra: Any) -> str:
         words = [f"FAULT {name}", f"sent={self.sent}", f"decided={self.decided}",
-                 f"dead_lettered={self.dead_lettered}", f"duplicated={self.duplicated}", f"lost={self.lost}"]  # fmt: skip
+                 f"dead_lettered={self.dead_lettered}", f"duplicated={self.duplicated}",
+                 f"disagreeing={len(self.mismatched)}", f"lost={self.lost}"]  # fmt: skip
         words += [f"{k}={v}" for k, v in extra.items()]
         return " ".join(words)
 

@@ -21,7 +21,7 @@ import orjson
 import pandas as pd
 import pytest
 
-from agents.cache import InMemoryDecisionCache
+from agents.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
 from agents.feature_store import Enrichment, InMemoryFeatureStore
 from agents.features import (
     DAY_S,
@@ -32,7 +32,8 @@ from agents.features import (
     prepare_history,
 )
 from agents.rules import parse_rules
-from agents.score import BatchOutput, Inbound, Scorer
+from agents.score import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
+from agents.validate import Limits, validate
 from app.contract import Transaction
 from models.ensemble import Prediction
 
@@ -663,3 +664,85 @@ def test_an_oversized_message_leaves_a_dead_letter_small_enough_to_produce() -> 
     assert record["value_sha256"] == hashlib.sha256(value).hexdigest()
     assert value.startswith(b64.b64decode(record["value_b64"]))
     assert (record["partition"], record["offset"]) == (3, 7)
+
+
+# --- resends while the shared decision cache cannot be read --------------------------------------
+
+
+class StalledCache:
+    """A shared decision cache that is down (a Redis SIGSTOPped or past its timeout):
+    the real protocol, every call failing as redis-py's would."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def get_many(self, txs: Sequence[Any]) -> list[dict[str, Any] | None]:
+        self.calls += 1
+        raise TimeoutError("Timeout reading from socket")
+
+    async def put_many(self, items: Sequence[Any]) -> None:
+        raise TimeoutError("Timeout writing to socket")
+
+
+def test_a_transaction_the_cache_cannot_check_is_provisional_and_never_approved(
+    world: World, ensemble: Any
+) -> None:
+    scorer = make_scorer(world, ensemble)
+    scorer.cache = LocalFirstCache(StalledCache(), wait_s=0.03, retry_every_s=0.01)
+    docs = [world.tx(i) for i in range(12)]
+
+    got = decisions(asyncio.run(scorer.score_batch([inbound(d, world) for d in docs])))
+
+    assert len(got) == 12 and all(d["provisional"] for d in got)
+    assert not [d for d in got if d["action"] == "approve"]  # a resend of a decline must not be approved
+    assert all(PROVISIONAL_REASON in d["explanation"] for d in got)
+    assert scorer.cache.unchecked == 12  # type: ignore[attr-defined]
+    assert scorer.cache.shared.calls >= 2  # type: ignore[attr-defined]  # retried within wait_s
+
+
+def test_a_resend_on_the_same_worker_is_answered_from_memory_while_redis_is_stalled(
+    world: World, ensemble: Any
+) -> None:
+    shared = InMemoryDecisionCache()
+    scorer = make_scorer(world, ensemble)
+    scorer.cache = LocalFirstCache(shared, wait_s=0.03)
+    doc = world.tx(3)
+    [first] = decisions(score(scorer, [inbound(doc, world, correlation="first")]))
+    assert first["provisional"] is False
+
+    scorer.cache.shared = StalledCache()  # type: ignore[attr-defined]
+    [again] = decisions(asyncio.run(scorer.score_batch([inbound(doc, world, correlation="again")])))
+
+    assert again["cached"] is True and again["provisional"] is False
+    assert {k: again[k] for k in COMPARED} == {k: first[k] for k in COMPARED}
+
+
+def test_a_stale_local_entry_goes_to_the_shared_cache(world: World) -> None:
+    clock = [0.0]
+    cache = LocalFirstCache(InMemoryDecisionCache(), ttl_s=10, wait_s=0.0, clock=lambda: clock[0])
+    tx = validate(orjson.dumps(world.tx(1)), world.now, Limits())
+    assert isinstance(tx, Transaction)
+    asyncio.run(cache.put_many([(tx, {"action": "decline"})]))
+    assert asyncio.run(cache.get_many([tx])) == [{"action": "decline"}]
+    clock[0] = 11.0  # past its TTL here; and the shared cache is down
+    cache.shared = StalledCache()
+    assert asyncio.run(cache.get_many([tx])) == [UNCHECKED]
+
+
+def test_records_are_grouped_by_the_partition_they_came_from(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    batch = [
+        Inbound(value=orjson.dumps(world.tx(i)), timestamp=world.now, partition=i % 3, offset=i) for i in range(6)
+    ] + [Inbound(value=b"{not json", timestamp=world.now, partition=2, offset=9)]
+    out = score(scorer, batch)
+    topics = {"decisions": "d", "dead_letters": "dlq", "feedback": "f", "monitoring": "m"}
+
+    grouped = out.records_by_partition(topics, default=0)
+
+    assert sorted(grouped) == [0, 1, 2]
+    for partition, records in grouped.items():
+        ids = {orjson.loads(v)["transaction_id"] for t, _, v in records if t == "d"}
+        assert ids == {orjson.loads(m.value)["transaction_id"] for m in batch[:6] if m.partition == partition}
+    assert [t for t, _, _ in grouped[2]].count("dlq") == 1  # the bad record's dead letter stays with its partition
+    assert [t for t, _, _ in grouped[0]].count("m") == 1  # the batch's monitoring record, once
+    assert sum(len(r) for r in grouped.values()) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1

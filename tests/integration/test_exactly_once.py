@@ -1,0 +1,116 @@
+"""Transactions on the real broker: a batch's outcomes and its offsets commit
+together, and a worker that lost its partitions (a zombie) can no longer commit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import ProducerFenced
+
+from app.transactional import Fenced, PartitionBatch, TransactionalEmitter, transactional_id
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+async def _topics(bootstrap: str, *names: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(n, 2, 1) for n in names])
+    finally:
+        await admin.close()
+
+
+async def _committed_view(bootstrap: str, group: str, source: str, out: str) -> tuple[list[bytes], dict[int, int | None]]:
+    """What a read_committed consumer of ``out`` sees, and the group's offsets of ``source``."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+        isolation_level="read_committed", auto_offset_reset="earliest",
+    )  # fmt: skip
+    await consumer.start()
+    try:
+        offsets = {p: await consumer.committed(TopicPartition(source, p)) for p in range(2)}
+        parts = [TopicPartition(out, p) for p in range(2)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        values: list[bytes] = []
+        for _ in range(10):
+            batches = await consumer.getmany(timeout_ms=300)
+            values += [r.value for records in batches.values() for r in records]
+        return sorted(values), offsets
+    finally:
+        await consumer.stop()
+
+
+def _emitter(bootstrap: str, group: str, source: str) -> TransactionalEmitter:
+    return TransactionalEmitter(
+        app_id=group, group_id=group, topic=source,
+        producer_options={"bootstrap_servers": bootstrap, "linger_ms": 2, "retry_backoff_ms": 5},
+    )  # fmt: skip
+
+
+def test_a_zombie_late_transaction_is_refused(kafka_bootstrap: str, unique_name: Callable[[str], str]) -> None:
+    """The old owner of partition 0 has a transaction open (decisions sent, not
+    committed) when the new owner starts: the new owner's producer aborts it, and the
+    old owner's late commit fails. Its decision is never visible; its offset is never
+    committed."""
+    group, source, out = unique_name("eos"), unique_name("eos-in"), unique_name("eos-out")
+
+    async def scenario() -> tuple[list[bytes], dict[int, int | None], BaseException | None]:
+        await _topics(kafka_bootstrap, source, out)
+        zombie = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=transactional_id(group, source, 0))
+        await zombie.start()
+        await zombie.begin_transaction()
+        await zombie.send_and_wait(out, b"zombie: decline", key=b"t-1")  # on the broker, not committed
+        owner = _emitter(kafka_bootstrap, group, source)
+        await owner.assign([0, 1])  # a rebalance gave partition 0 to another worker
+        late: BaseException | None = None
+        try:
+            await zombie.send_offsets_to_transaction({TopicPartition(source, 0): 1}, group)
+            await zombie.commit_transaction()
+        except ProducerFenced as exc:
+            late = exc
+        finally:
+            await zombie.stop()
+        results = await owner.commit({0: PartitionBatch(1, [(out, b"t-1", b"owner: approve")])})
+        assert results == {0: None}
+        await owner.close()
+        values, offsets = await _committed_view(kafka_bootstrap, group, source, out)
+        return values, offsets, late
+
+    values, offsets, late = asyncio.run(scenario())
+    assert isinstance(late, ProducerFenced)
+    assert values == [b"owner: approve"]
+    assert offsets == {0: 1, 1: None}
+
+
+def test_a_fenced_worker_drops_the_partition_and_keeps_the_others(
+    kafka_bootstrap: str, unique_name: Callable[[str], str]
+) -> None:
+    group, source, out = unique_name("eos"), unique_name("eos-in"), unique_name("eos-out")
+
+    async def scenario() -> tuple[dict[int, BaseException | None], frozenset[int], list[bytes], dict[int, int | None]]:
+        await _topics(kafka_bootstrap, source, out)
+        old, new = _emitter(kafka_bootstrap, group, source), _emitter(kafka_bootstrap, group, source)
+        await old.assign([0, 1])
+        assert await old.commit({0: PartitionBatch(3, [(out, b"a", b"old p0 batch 1")])}) == {0: None}
+        await new.assign([0])  # partition 0 moved; the old worker has not noticed yet
+        results = await old.commit({
+            0: PartitionBatch(5, [(out, b"a", b"old p0 batch 2 (late)")]),
+            1: PartitionBatch(2, [(out, b"b", b"old p1 batch 1")]),
+        })  # fmt: skip
+        left = old.partitions
+        await old.close()
+        await new.close()
+        values, offsets = await _committed_view(kafka_bootstrap, group, source, out)
+        return results, left, values, offsets
+
+    results, left, values, offsets = asyncio.run(scenario())
+    assert isinstance(results[0], Fenced) and results[1] is None
+    assert left == frozenset({1})
+    assert values == sorted([b"old p0 batch 1", b"old p1 batch 1"])
+    assert offsets == {0: 3, 1: 2}
