@@ -11,7 +11,8 @@ DEMO_RATE ?= 100
 DEMO_DURATION ?= 20
 
 # What only the tests need (the demo does not): docker-compose validates
-# docker-compose.yml, Chromium drives the review page's browser test.
+# docker-compose.yml, kcat runs the README's plain-client example, Chromium
+# drives the review page's browser test.
 .PHONY: setup test-tools demo test soak stack-up stack-down stack-status simulate train materialize clean
 
 KAFKA_LIB := .kafka/lib
@@ -43,6 +44,9 @@ test-tools:
 	@command -v docker-compose >/dev/null || { echo "installing docker-compose (apt; validates docker-compose.yml in the tests)"; \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1 \
 	  || echo "docker-compose not installed: the compose file test will be skipped"; }
+	@command -v kcat >/dev/null || { echo "installing kcat (apt; runs the README's plain Kafka client example)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends kcat) >/dev/null 2>&1 \
+	  || echo "kcat not installed: the README's kcat example test will be skipped"; }
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || { echo "installing chromium + chromium-driver (apt, for the review page's browser test)"; \
 	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 	  || { echo "need chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)"; exit 1; }; }

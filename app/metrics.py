@@ -18,9 +18,9 @@ NOTE: faust's own Prometheus sensor is installed too (``faust_*`` metrics:
 send latency, rebalances, the other topics' messages). It does not see
 ``transactions``, which the agent consumes with acks off and commits itself
 (:mod:`app.commits`), and with ``take()`` its per-event runtime metrics are
-wrong (events are never marked done): batches and stages are timed here. Its ``topic_partition_end_offset``
-gauge comes from ListOffsets "latest", which the local broker gets wrong:
-lag is computed here from fetch highwaters.
+wrong (events are never marked done): batches and stages are timed here. Lag
+is computed here from the consumer's fetch highwaters and the offsets the
+agent's transactions committed.
 """
 
 from __future__ import annotations
@@ -246,10 +246,9 @@ def reason_label(why: str) -> str:
 def consumer_lag(highwater: int | None, committed: int | None) -> int | None:
     """Messages not yet committed in one partition; None before the first fetch.
 
-    NOTE: the highwater is the one the consumer's fetch responses carry (the
-    next offset to be written). ListOffsets "latest" is wrong on the local
-    broker when the last record batch held more than one record, so lag from
-    it would read too low. A partition never committed counts from offset 0.
+    The highwater is the one the consumer's fetch responses carry (the next
+    offset to be written): no extra request per scrape. A partition never
+    committed counts from offset 0.
     """
     if highwater is None:
         return None

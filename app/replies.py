@@ -10,17 +10,12 @@ One consumer serves the whole gateway: no group (nothing to rebalance, nothing
 to commit), assigned every partition of ``decisions`` and of the dead-letter
 topic, starting at their ends.
 
-NOTE: where "the end" is. The local broker's ListOffsets "latest" is wrong after
-a multi-record batch (it says the first offset of the last batch + 1; see
-``shared/notes/broker.md``), so ``seek_to_end`` can land a few records *before*
-the true end. That only re-delivers old records, and an old record cannot match
-a pending id: ids are fresh uuids registered after start. It can never land
-*after* the true end, so nothing new is skipped. The alternatives cost more for
-nothing: ``offsets_for_times(start)`` depends on the workers' clocks agreeing
-with the gateway's, and the highwater of the first fetch needs a fetch from
-somewhere first. What matters is that the position is *resolved* before the
-first request is produced (``start`` awaits ``position()`` on every partition):
-an unresolved "latest" taken after a decision was written would skip it.
+NOTE: where "the end" is. The consumer reads ``read_committed`` (decisions are
+written in transactions), so ``seek_to_end`` lands on the last stable offset:
+a decision still in an open transaction is read once it commits. What matters
+is that the position is *resolved* before the first request is produced
+(``start`` awaits ``position()`` on every partition): an unresolved "latest"
+taken after a decision was written would skip it.
 """
 
 from __future__ import annotations
@@ -145,8 +140,6 @@ class Replies(TopicReader):
 
     async def start(self) -> None:
         s = self.settings
-        # NOTE: the local broker answers a waiting fetch only when its wait
-        # expires: this wait is the floor of every REST call's latency.
         parts = await self._open((s.topic_decisions, s.topic_dlq), fetch_max_wait_ms=s.consumer_fetch_max_wait_ms)
         assert self._consumer is not None
         await self._consumer.seek_to_end(*parts)

@@ -3,9 +3,7 @@
     python -m bench.run            # full: about 9 minutes
     python -m bench.run --quick    # 1,000 TPS and one search probe, short runs, no sweep: about 1 minute
 
-Every variant gets its own worker subprocess on fresh topics (the local
-broker's ListOffsets "latest" is wrong after multi-record batches, so nothing
-here depends on it), a probe transaction that must come back before load
+Every variant gets its own worker subprocess on fresh topics, a probe transaction that must come back before load
 starts, warm-up seconds left out of every figure, and open-loop Poisson load
 from :func:`app.loadgen.run_load`. Variants:
 
@@ -20,8 +18,7 @@ keeps p99 under 200 ms and under 50 ms (see :func:`next_probe`). A run passes a
 threshold only if nothing was lost, at most 1 % of decisions were degraded
 (the model missed its budget, so the rules alone decided) and the generator
 kept its schedule (p99 of its sends' lateness under 100 ms). "Lag" is the number of transactions still awaiting
-their decision, sampled every half second: end-to-end consumer lag, measured
-without ListOffsets.
+their decision, sampled every half second: end-to-end consumer lag.
 
 Results go to ``bench/results/latest.json`` (plus a timestamped copy), PNGs
 from :mod:`bench.plots` next to it, and a table to stdout. Worker, broker and
@@ -772,8 +769,8 @@ class Bench:
         if worker is not None:
             t0 = time.monotonic()
             worker.stop()
-            # The local broker keeps every record in memory: drop what this
-            # worker's runs produced, so later runs do not pay for it.
+            # Drop what this worker's runs produced: later runs start from
+            # empty topics and the broker's disk stays flat.
             asyncio.run(_delete_topics(self.svc.bootstrap, list(worker.topics.values())))
             self._stop_s = max(self._stop_s, time.monotonic() - t0)
 

@@ -18,7 +18,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== 1/5 local stack (Tansu broker + redis-server)"
+echo "== 1/5 local stack (Apache Kafka broker + redis-server)"
 $BIN/python -m app.stack up
 # shellcheck disable=SC1091
 source .stack/env

@@ -30,7 +30,7 @@ def test_lag_from_the_broker(kafka_bootstrap: str, unique_name: Callable[[str], 
 
     async def scenario() -> dict[int, object]:
         await ensure_topics(settings, wait_s=20)
-        # linger: several records per batch, the case where ListOffsets "latest" is wrong on the local broker.
+        # linger: several records per batch.
         producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=20)
         await producer.start()
         try:

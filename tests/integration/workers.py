@@ -163,7 +163,7 @@ class Topics:
         )
 
     async def create(self, bootstrap: str, partitions: int) -> dict[str, int]:
-        """Create the topics up front (the local broker would auto-create them with 4 partitions)."""
+        """Create the topics up front, with their partition counts (nothing is auto-created)."""
         return await ensure_topics(self.settings(bootstrap, partitions), wait_s=20.0)
 
     def partition_counts(self, partitions: int) -> dict[str, int]:
