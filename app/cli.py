@@ -241,6 +241,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 3
+    # faust keeps its table state under data_dir (default .stack/faust): a fresh
+    # clone has no .stack yet.
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.worker_role == "feedback":
         from app.feedback_loop import create_feedback_app
 

@@ -63,6 +63,10 @@ class LoadConfig:
     sample: Callable[[], dict[str, float]] | None = None
     """Called at each report tick, at the end of the warm-up and when sending
     ends; what it returns is stored in that ``timeline`` entry."""
+    record_decisions: bool = False
+    """Also return ``summary["decisions"]``: ``t`` (seconds since the load
+    started, the timeline's clock) and ``latency_ms`` of every decision, warm-up
+    included, in arrival order: latency percentiles over any time window."""
 
 
 def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | None]:
@@ -123,6 +127,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     timeline: list[dict[str, Any]] = []
     marks: dict[str, float] = {}  # monotonic time of each timeline event
     received: list[float] = []  # monotonic arrival time of every matched decision
+    received_ms: list[float] = []  # their latencies, when cfg.record_decisions
     try:
         tps = [TopicPartition(s.topic_decisions, p) for p in range(s.partitions)]
         consumer.assign(tps)
@@ -201,6 +206,8 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
                         received.append(now)
                         ms = (now - started) * 1000
                         window.append(ms)
+                        if cfg.record_decisions:
+                            received_ms.append(round(ms, 2))
                         if tx_id in measured_ids:
                             latencies.append(ms)
                             for stage, value in (doc.get("latency_ms") or {}).items():
@@ -268,6 +275,8 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
         "degraded": flags["degraded"],
         "timeline": timeline,
     }
+    if cfg.record_decisions:
+        summary["decisions"] = {"t": [round(t - t_start, 3) for t in received], "latency_ms": received_ms}
     if not cfg.quiet:
         lat = summary["latency_ms"]
         print(

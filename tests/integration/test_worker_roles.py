@@ -16,6 +16,7 @@ import orjson
 import pandas as pd
 import pytest
 
+from app import stack
 from workers import REPO, Collector, Topics, TxFactory, Workers, make_producer, send_all, tx_msg, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -90,3 +91,36 @@ def test_score_workers_decide_and_the_feedback_worker_joins_the_labels(
         assert scorer.alive() and feedback.alive()
     finally:
         workers.stop_all()
+
+
+def test_a_worker_starts_in_a_fresh_checkout_without_a_state_dir(
+    kafka_bootstrap: str, redis_url: str, trained_registry: Path, tmp_path: Path
+) -> None:
+    """`fraud-pipeline worker` from a directory with no `.stack/` yet: the default
+    FRAUD_DATA_DIR (.stack/faust) is created, not a FileNotFoundError."""
+    topics = Topics.unique("fresh")
+    asyncio.run(topics.create(kafka_bootstrap, PARTITIONS))
+    env = worker_env(bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
+                     workdir=tmp_path / "config", partitions=PARTITIONS)  # fmt: skip
+    env.pop("FRAUD_DATA_DIR", None)
+    env["PYTHONPATH"] = str(REPO)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--web-port", str(stack.free_port())], cwd=checkout, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while "Ready" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        assert (checkout / ".stack" / "faust").is_dir()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
