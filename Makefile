@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 DATA := data/transactions.parquet
 DEMO_RATE ?= 100
 DEMO_DURATION ?= 20
+SOAK_MINUTES ?= 30
+SOAK_RATE ?= 500
 
 # What only the tests need (the demo does not): docker-compose validates
 # docker-compose.yml, kcat runs the README's plain-client example, Chromium
@@ -83,10 +85,13 @@ test: setup test-tools
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
 	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider
 
-# The fault and fuzz tests, longer (minutes): more load, longer outages.
+# The fault and fuzz tests, longer (minutes): more load, longer outages. Then
+# SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and
+# broker RSS must stay flat (bench/soak.py; bench/results/soak.json and .png).
 soak: setup
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
 	FRAUD_SOAK=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_faults.py
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --rate $(SOAK_RATE)
 
 clean: stack-down
 	rm -rf .stack data .kafka

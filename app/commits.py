@@ -141,7 +141,7 @@ class TransactionCommits:
         os._exit(75)
 
     async def tick(self) -> None:
-        """Every ``FRAUD_COMMIT_INTERVAL_S``: re-seek stalled rewinds and stalled partitions."""
+        """Every ``FRAUD_WATCHDOG_INTERVAL_S``: re-seek stalled rewinds and stalled partitions."""
         now = time.monotonic()
         for tp, offset in self.progress.stalled_rewinds(now).items():
             log.warning("partition %s: still waiting for offset %d; seeking back to it again", tp.partition, offset)

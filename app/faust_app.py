@@ -306,7 +306,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     app.runtime = runtime
     app.metrics = metrics
 
-    @app.timer(settings.commit_interval_s)
+    @app.timer(settings.watchdog_interval_s)
     async def watch_partitions() -> None:
         await commits.tick()
 

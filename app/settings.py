@@ -150,9 +150,9 @@ class Settings(BaseSettings):
     holds its partitions before the group moves them."""
 
     heartbeat_interval_s: float = 1.5
-    commit_interval_s: float = 1.0
-    """How often the scoring agent commits the offsets it decided (and at every
-    rebalance): what a crash redelivers is at most this much plus the batch in flight."""
+    watchdog_interval_s: float = 1.0
+    """How often the stall watchdog looks at the `transactions` partitions
+    (offsets are committed with every batch's transaction, not on a timer)."""
     stall_after_s: float = 5.0
     """A partition of `transactions` with records waiting past its next offset
     that decides nothing for this long is logged with its fetch state and

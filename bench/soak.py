@@ -128,7 +128,9 @@ def soak_sampler(worker_pid: int, pids: Mapping[str, int], minutes: int) -> Call
     return sample
 
 
-def per_minute(timeline: Sequence[Mapping[str, Any]], decisions: Mapping[str, list[float]], minutes: int) -> list[dict[str, Any]]:
+def per_minute(
+    timeline: Sequence[Mapping[str, Any]], decisions: Mapping[str, list[float]], minutes: int
+) -> list[dict[str, Any]]:
     """One row per minute of load. Each minute runs between the timeline
     samples nearest its ends, so its CPU and its decisions cover the same span;
     RSS is the mean of the minute's samples (steadier than one reading), in
@@ -173,8 +175,9 @@ def windows(minutes: int) -> tuple[range, range, str | None]:
         return BASELINE_MINUTES, range(minutes - LAST_MINUTES + 1, minutes + 1), None
     # Too short for 2-7 against the last 5 without overlap: two equal halves.
     w = max(1, (minutes - 2) // 2)
-    note = f"run under {SHORT_RUN_MINUTES} min: minutes 2-{1 + w} against the last {w} instead of 2-7 against the last 5"
-    return range(2, 2 + w), range(minutes - w + 1, minutes + 1), note
+    baseline, last = range(2, 2 + w), range(minutes - w + 1, minutes + 1)
+    note = f"run under {SHORT_RUN_MINUTES} min: the last {w} against {w} from minute 2, not the last 5 against 2-7"
+    return baseline, last, note
 
 
 def window_means(rows: Sequence[Mapping[str, Any]], minutes: range) -> dict[str, float | None]:
@@ -214,7 +217,8 @@ def _span(minutes: range) -> str:
 
 
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
-    heads = ("min", "dec/s", "p50 ms", "p99 ms", "brk cpu ms/msg", "wrk cpu ms/dec", "brk RSS MB", "wrk RSS MB", "in flight")
+    heads = ("min", "dec/s", "p50 ms", "p99 ms", "brk cpu ms/msg", "wrk cpu ms/dec",
+             "brk RSS MB", "wrk RSS MB", "in flight")  # fmt: skip
     cells = [[("-" if r[c] is None else f"{r[c]:g}") for c in COLUMNS] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
@@ -227,6 +231,7 @@ def plot(doc: Mapping[str, Any], out: Path) -> None:
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = doc["per_minute"]
     x = [r["minute"] - 0.5 for r in rows]  # minute k spans [k-1, k]
@@ -244,10 +249,12 @@ def plot(doc: Mapping[str, Any], out: Path) -> None:
     mem.plot(x, series("worker_rss_mb"), marker="s", ms=3, color="tab:green", label="worker RSS")
     mem.set_ylabel("RSS (MB)")
     mem.set_xlabel("minutes of load")
+    mem.xaxis.set_major_locator(MaxNLocator(integer=True))
     mem.legend(loc="lower right", fontsize=8)
     w = doc["windows"]
     for ax in (lat, mem):
-        for minutes, color, label in ((w["baseline_minutes"], "tab:gray", "baseline"), (w["last_minutes"], "tab:red", "last")):
+        shaded = ((w["baseline_minutes"], "tab:gray", "baseline"), (w["last_minutes"], "tab:red", "last"))
+        for minutes, color, label in shaded:
             ax.axvspan(minutes[0] - 1, minutes[-1], color=color, alpha=0.12, label=f"{label} window")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

@@ -280,7 +280,7 @@ def partition_ends(sent: list[Msg]) -> dict[int, int]:
 
 async def wait_committed(rig: Rig, ends: dict[int, int], timeout: float) -> dict[int, int | None]:
     """The group's committed offsets, once they reach ``ends`` or ``timeout`` passes
-    (the agent commits every FRAUD_COMMIT_INTERVAL_S)."""
+    (committed with each batch's transaction)."""
     deadline = time.monotonic() + timeout
     while True:
         committed = await committed_offsets(rig.bootstrap, rig.workers.base_env["FRAUD_APP_ID"],
