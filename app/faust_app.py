@@ -58,7 +58,7 @@ def _install_read_committed() -> None:
     ``feedback`` from the same consumer: an aborted batch's records must stay
     invisible to them. The consumer is built before it starts, and aiokafka
     hands ``_isolation_level`` to its fetcher at start, so setting it on the
-    new consumer is enough. tests/integration/test_pipeline.py checks it.
+    new consumer is enough. tests/integration/test_exactly_once.py checks it.
     """
     thread_cls = faust_aiokafka.AIOKafkaConsumerThread
     original = thread_cls._create_worker_consumer

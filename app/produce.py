@@ -1,4 +1,6 @@
-"""Producing a batch's records: straight to the app's producer.
+"""The benchmark pass-through's produce path: straight to the app's producer.
+
+(The scoring agent produces through its transactional producers, app/transactional.py.)
 
 faust's ``Topic.send`` wraps each record in a ``PendingMessage`` and a
 ``FutureMessage``, runs it through the channel's send path and its callbacks,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -114,3 +115,24 @@ def test_a_fenced_worker_drops_the_partition_and_keeps_the_others(
     assert left == frozenset({1})
     assert values == sorted([b"old p0 batch 1", b"old p1 batch 1"])
     assert offsets == {0: 3, 1: 2}
+
+
+def test_faust_worker_consumer_reads_committed_only(kafka_bootstrap: str) -> None:
+    """The patch in app/faust_app.py (faust-streaming internals): the consumer faust
+    builds for a worker hands read_committed to aiokafka's fetcher, so the feedback
+    loop never reads an aborted batch's records. Fails if an upgrade makes it a no-op."""
+    from aiokafka.consumer.fetcher import READ_COMMITTED
+
+    from app.faust_app import base_app
+    from app.settings import Settings
+
+    async def scenario() -> Any:
+        app = base_app(Settings(kafka_bootstrap=kafka_bootstrap, app_id="eos-isolation"))
+        consumer = app.consumer._thread._create_worker_consumer(app.transport)
+        await consumer.start()
+        try:
+            return consumer._fetcher._isolation_level
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(scenario()) == READ_COMMITTED

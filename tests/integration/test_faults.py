@@ -181,6 +181,7 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
     """SIGKILL the only worker mid-stream, start another in the same group: nothing lost;
     what was decided but not committed is decided again, identically (from the cache)."""
     rig = rig_factory(materialized, "kill9")
+    _defaults_only(rig)
     kills = 3 if SOAK else 1
     sent: list[Msg] = []
     kill_walls: list[float] = []
@@ -227,6 +228,7 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
 def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> None:
     """Two workers on 8 partitions under load; one stops (SIGTERM), later a third joins."""
     rig = rig_factory(materialized, "rebal")
+    _defaults_only(rig)
     sent: list[Msg] = []
     duration = max(LOAD_S, 12.0)
 
