@@ -121,8 +121,9 @@ def soak_sampler(worker_pid: int, pids: Mapping[str, int], minutes: int) -> Call
         elapsed = int((time.monotonic() - started) // 60)
         if elapsed > shown:
             shown = elapsed
-            print(f"soak: {elapsed}/{minutes} min, worker RSS {out['rss_mb']} MB, "
-                  f"broker RSS {out['broker_rss_mb']} MB", file=sys.stderr, flush=True)  # fmt: skip
+            worker_mb, broker_mb = (_mean([out[key]], digits=0) for key in ("rss_mb", "broker_rss_mb"))
+            print(f"soak: {elapsed}/{minutes} min, worker RSS {worker_mb} MB, broker RSS {broker_mb} MB",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return out
 
     return sample
@@ -151,8 +152,8 @@ def per_minute(
             # Per transaction: one message in on transactions, one out on decisions.
             "broker_cpu_ms_per_message": _ms_per(a, b, "broker_cpu_s", decided),
             "worker_cpu_ms_per_decision": _ms_per(a, b, "cpu_s", decided),
-            "broker_rss_mb": _mean([e.get("broker_rss_mb") for e in samples]),
-            "worker_rss_mb": _mean([e.get("rss_mb") for e in samples]),
+            "broker_rss_mb": _mean([e.get("broker_rss_mb") for e in samples], digits=1),
+            "worker_rss_mb": _mean([e.get("rss_mb") for e in samples], digits=1),
             "in_flight": b["in_flight"],
         })  # fmt: skip
     return rows
@@ -164,9 +165,9 @@ def _ms_per(a: Mapping[str, Any], b: Mapping[str, Any], key: str, n: int) -> flo
     return round(1000 * (b[key] - a[key]) / n, 3)
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
+def _mean(values: Sequence[float | None], digits: int = 3) -> float | None:
     known = [v for v in values if v is not None]
-    return round(float(np.mean(known)), 3) if known else None
+    return round(float(np.mean(known)), digits) if known else None
 
 
 def windows(minutes: int) -> tuple[range, range, str | None]:
