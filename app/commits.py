@@ -50,7 +50,7 @@ class TransactionCommits:
         self.topics = topics
         self.stall_after_s = stall_after_s
         self._consumer_options = dict(consumer_options or {})
-        #: Called with "hole" or "quiet" at each seek back (the worker's metrics count them).
+        #: Called with "hole", "quiet" or "markers" at each seek (the worker's metrics count them).
         self.on_reseek: Callable[[str], None] | None = None
         #: Called with the number of partitions this worker was fenced from.
         self.on_fenced: Callable[[int], None] | None = None
@@ -58,6 +58,8 @@ class TransactionCommits:
         # Partitions assigned but whose committed offsets are not read yet: read
         # by the agent before its next batch, outside faust's rebalance callback.
         self._pending_assignment: set[Any] | None = None
+        #: A group-less consumer of our own that reads the log where a hole appeared.
+        self._reader: AIOKafkaConsumer | None = None
 
     # --- rebalance signals (faust's app.on_partitions_revoked / _assigned) ----------------------
 
@@ -85,15 +87,10 @@ class TransactionCommits:
             self.progress.assign(positions)
             log.info("deciding %s from offsets %s", self.topic, _fmt(positions))
         admitted = self.progress.admit(events, event_position, time.monotonic())
-        for tp, offset in admitted.rewind.items():
-            first = min(o for t, o in map(event_position, events) if t == tp and o > offset)
-            log.warning(
-                "partition %s: offset %d arrived while %d was next (records in between did not reach the "
-                "agent); seeking back to %d", tp.partition, first, offset, offset,
-            )  # fmt: skip
-            await self._reseek(tp, offset, "hole")
-        for tp, (expected, seen) in admitted.verify.items():
-            await self._verify_hole(tp, expected, seen)
+        holes = {tp: (offset, min(o for t, o in map(event_position, events) if t == tp and o > offset))
+                 for tp, offset in admitted.rewind.items()}  # fmt: skip
+        for tp, (expected, seen) in {**holes, **admitted.verify}.items():
+            await self._check_hole(tp, expected, seen, repeated=tp in admitted.verify)
         return admitted
 
     async def commit(self, admitted: Admitted[Any, Any], output: Any) -> None:
@@ -160,46 +157,62 @@ class TransactionCommits:
 
     async def close(self) -> None:
         await self.emitter.close()
+        if self._reader is not None:
+            await self._reader.stop()
 
     async def _reseek(self, tp: Any, offset: int, reason: str) -> None:
         await self.app.consumer.seek(tp, offset)
         if self.on_reseek is not None:
             self.on_reseek(reason)
 
-    async def _verify_hole(self, tp: Any, expected: int, seen: int) -> None:
-        """Offsets ``expected``..``seen - 1`` never reached the agent after many
-        seeks: read the log there with a consumer of our own. Only offsets that
-        hold no record a ``read_committed`` consumer can see (transaction
-        markers, aborted or compacted records) are skipped; if a record is
-        there, the partition keeps seeking and the error says so."""
-        consumer = AIOKafkaConsumer(
-            **self._consumer_options, enable_auto_commit=False, isolation_level="read_committed"
-        )
-        part = TopicPartition(tp.topic, tp.partition)
-        first: int | None = None
-        try:
-            await consumer.start()
-            consumer.assign([part])
-            consumer.seek(part, expected)
-            batch = await consumer.getmany(part, timeout_ms=2000, max_records=1)
-            records = batch.get(part, [])
-            first = records[0].offset if records else None
-        except Exception as exc:
-            log.error("partition %s: could not read offsets %d-%d to check them (%r)", tp.partition, expected, seen - 1, exc)
-        finally:
-            await consumer.stop()
+    async def _check_hole(self, tp: Any, expected: int, seen: int, *, repeated: bool) -> None:
+        """Offset ``seen`` reached the agent while ``expected`` was next: read the
+        log at ``expected`` with a reader of our own. Offsets that hold no record
+        a ``read_committed`` consumer can see (a transactional producer's commit
+        markers, aborted or compacted records) are skipped at once; if a record
+        is there, faust did not deliver it, and the partition is sought back to
+        it (and checked again if that keeps happening). Nothing is skipped on a
+        guess."""
+        first = await self._first_readable_offset(tp, expected)
         if first is not None and first > expected:
-            log.warning(
-                "partition %s: offsets %d-%d hold no committed record (transaction markers or compaction); "
-                "continuing from %d", tp.partition, expected, first - 1, first,
+            log.info(
+                "partition %s: offsets %d-%d hold no committed record (transaction markers, aborted or "
+                "compacted records); continuing from %d", tp.partition, expected, first - 1, first,
             )  # fmt: skip
             self.progress.skip_to(tp, first)
-            await self._reseek(tp, first, "hole")
-        else:
+            await self._reseek(tp, first, "markers")
+            return
+        if repeated:
             log.error(
-                "partition %s: offset %s is in the log but faust never delivered it after many seeks; "
+                "partition %s: offset %d is in the log but faust has not delivered it after many seeks; "
                 "still seeking (nothing is skipped)", tp.partition, expected,
             )  # fmt: skip
+        else:
+            log.warning(
+                "partition %s: offset %d arrived while %d was next (records in between did not reach the "
+                "agent); seeking back to %d", tp.partition, seen, expected, expected,
+            )  # fmt: skip
+        await self._reseek(tp, expected, "hole")
+
+    async def _first_readable_offset(self, tp: Any, offset: int) -> int | None:
+        """The offset of the first record at or after ``offset`` that a
+        ``read_committed`` consumer gets; None if none came within 2 s or the
+        log could not be read (the caller then seeks rather than skips)."""
+        part = TopicPartition(tp.topic, tp.partition)
+        try:
+            if self._reader is None:
+                self._reader = AIOKafkaConsumer(
+                    **self._consumer_options, enable_auto_commit=False, isolation_level="read_committed"
+                )
+                await self._reader.start()
+            self._reader.assign([part])
+            self._reader.seek(part, offset)
+            batch = await self._reader.getmany(part, timeout_ms=2000, max_records=1)
+        except Exception as exc:
+            log.error("partition %s: could not read offset %d to check it (%r)", tp.partition, offset, exc)
+            return None
+        records = batch.get(part, [])
+        return records[0].offset if records else None
 
     # --- the stall watchdog's view of faust's consumer (faust-streaming 0.15.3 internals) --------
 

@@ -22,14 +22,14 @@ declared with ``acks=False`` so faust never commits it:
 
 A seek can be undone by records already on their way (faust then drops the
 re-fetched ones as read), so a partition still waiting after ``reseek_after_s``
-is sought back again, by the next batch or by the commit timer. Offsets within
-a partition are contiguous when producers are not transactional; a real hole
-(transaction markers of a transactional producer, compaction) looks like
-records that never come, so after ``max_seeks`` seeks that each met a later
-offset first the agent reads the log there with a consumer of its own
-(app/commits.py): only offsets that hold no committed record are skipped; if a
-record is there, the partition keeps seeking, with an error each time. Nothing
-is ever skipped on a guess.
+is sought back again, by the next batch or by the watchdog timer. Offsets
+within a partition are contiguous only when producers are not transactional: a
+transactional producer's commit markers (and compaction) leave real holes. So
+the agent reads the log at every hole it meets, with a reader of its own
+(app/commits.py): offsets that hold no committed record are skipped at once
+(``skip_to``); a record there means faust did not deliver it, and the partition
+is sought back. A partition whose seeks keep failing is checked again after
+``max_seeks``. Nothing is ever skipped on a guess.
 
 A partition can also go quiet with records waiting and no hole to see: the
 agent receives nothing of it at all, so nothing above trips. ``stalled``

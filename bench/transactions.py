@@ -43,10 +43,12 @@ def _records(partitions: int, batch: int) -> dict[int, list[tuple[str, bytes | N
     return out
 
 
-async def _transactional(bootstrap: str, partitions: int, n: int, gap_s: float, tag: str) -> list[float]:
+async def _transactional(
+    bootstrap: str, partitions: int, n: int, gap_s: float, tag: str, linger_ms: int
+) -> list[float]:
     emitter = TransactionalEmitter(
         app_id=f"bench-tx-{tag}", group_id=f"bench-tx-{tag}", topic="transactions",
-        producer_options={"bootstrap_servers": bootstrap, "linger_ms": 2, "retry_backoff_ms": 5},
+        producer_options={"bootstrap_servers": bootstrap, "linger_ms": linger_ms, "retry_backoff_ms": 5},
     )  # fmt: skip
     await emitter.assign(range(partitions))
     records = _records(partitions, BATCH)
@@ -92,7 +94,7 @@ def _summary(name: str, times: list[float]) -> dict[str, Any]:
             "client_cpu_ms_per_batch": round(cpu_ms, 2)}  # fmt: skip
 
 
-async def run(bootstrap: str, n: int, gap_s: float) -> list[dict[str, Any]]:
+async def run(bootstrap: str, n: int, gap_s: float, linger_ms: int) -> list[dict[str, Any]]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -103,7 +105,7 @@ async def run(bootstrap: str, n: int, gap_s: float) -> list[dict[str, Any]]:
         await admin.close()
     rows = [_summary("plain produce (no transaction), awaited", await _plain(bootstrap, n, gap_s))]
     for partitions in (1, 4, 8):
-        times = await _transactional(bootstrap, partitions, n, gap_s, str(partitions))
+        times = await _transactional(bootstrap, partitions, n, gap_s, str(partitions), linger_ms)
         rows.append(_summary(f"transactional, {partitions} input partition(s)", times))
     return rows
 
@@ -112,15 +114,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--gap-ms", type=float, default=10.0)
+    parser.add_argument("--linger-ms", type=int, default=2, help="the transactional producers' linger")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-tx-") as tmp:
         broker = stack.start_broker(workdir=Path(tmp))
         try:
-            rows = asyncio.run(run(broker.url, args.batches, args.gap_ms / 1000))
+            rows = asyncio.run(run(broker.url, args.batches, args.gap_ms / 1000, args.linger_ms))
         finally:
             broker.stop()
-    doc = {"machine": machine_info(), "batch": BATCH, "gap_ms": args.gap_ms, "rows": rows}
+    doc = {"machine": machine_info(), "batch": BATCH, "gap_ms": args.gap_ms, "linger_ms": args.linger_ms, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "transactions.json").write_text(json.dumps(doc, indent=1))
     for row in rows:

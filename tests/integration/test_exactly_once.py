@@ -136,3 +136,62 @@ def test_faust_worker_consumer_reads_committed_only(kafka_bootstrap: str) -> Non
             await consumer.stop()
 
     assert asyncio.run(scenario()) == READ_COMMITTED
+
+
+def test_a_transactional_payment_client_is_decided_exactly_once_without_stalls(
+    kafka_bootstrap: str, redis_url: str, sim_frame: Any, trained_registry: Any, tmp_path: Any
+) -> None:
+    """A payment system that writes `transactions` with a transactional producer leaves
+    commit markers between its records (offsets with no record). The worker reads past
+    them at once — checked in the log, not guessed — decides every committed
+    transaction once, and never decides an aborted one."""
+    import redis
+
+    from app.materialize import materialize
+    from workers import Collector, Topics, TxFactory, Workers, tx_msg, worker_env
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        materialize(sim_frame, client, progress=False)
+    finally:
+        client.close()
+    topics = Topics.unique("txclient")
+    asyncio.run(topics.create(kafka_bootstrap, 2))
+    workers = Workers(tmp_path, worker_env(bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics,
+                                           registry=trained_registry, workdir=tmp_path, partitions=2))  # fmt: skip
+    make = TxFactory(sim_frame, f"t-txc-{topics.transactions[-6:]}")
+    committed = [[tx_msg(make()) for _ in range(3)] for _ in range(20)]
+    aborted = [tx_msg(make()) for _ in range(3)]
+
+    async def scenario() -> Collector:
+        async with Collector(kafka_bootstrap, topics, 2) as col:
+            worker = workers.start()
+            await worker.wait_for_log("Ready", 90)
+            producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"pos-{topics.transactions}")
+            await producer.start()
+            try:
+                for i, group in enumerate(committed):
+                    async with producer.transaction():
+                        for m in group:
+                            await producer.send(topics.transactions, m.value, key=m.key, headers=m.all_headers())
+                    if i == 10:  # an aborted transaction in the middle
+                        await producer.begin_transaction()
+                        for m in aborted:
+                            await producer.send(topics.transactions, m.value, key=m.key, headers=m.all_headers())
+                        await producer.abort_transaction()
+            finally:
+                await producer.stop()
+            flat = [m for group in committed for m in group]
+            # Unchecked, each commit marker would hold its partition through ten 1 s seeks.
+            await col.wait_for(lambda: all(col.has_outcome(m) for m in flat), 60, "decisions")
+            await asyncio.sleep(2.0)
+            return col
+
+    try:
+        col = asyncio.run(scenario())
+    finally:
+        workers.stop_all()
+    flat = [m for group in committed for m in group]
+    assert all(len(col.by_tx[m.transaction_id or ""]) == 1 for m in flat)
+    assert not any(col.by_tx.get(m.transaction_id or "") for m in aborted)
+    assert "hold no committed record" in workers.started[0].text()
