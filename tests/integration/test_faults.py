@@ -906,6 +906,39 @@ def _defaults_only(rig: Rig) -> None:
         rig.workers.base_env.pop(name, None)
 
 
+class StallableRedis:
+    """A dedicated redis-server a test can freeze (SIGSTOP) and thaw (SIGCONT)."""
+
+    def __init__(self, handle: stack.ServiceHandle) -> None:
+        self.handle = handle
+        self.stalled = False
+
+    @property
+    def url(self) -> str:
+        return self.handle.url
+
+    def stall(self) -> None:
+        os.kill(self.handle.pid, signal.SIGSTOP)
+        self.stalled = True
+
+    def resume(self) -> None:
+        os.kill(self.handle.pid, signal.SIGCONT)
+        self.stalled = False
+
+
+@contextlib.contextmanager
+def stallable_redis(frame: pd.DataFrame, workdir: Path) -> Iterator[StallableRedis]:
+    """A materialized Redis of the test's own; thawed and stopped (by PID) at the end."""
+    server = StallableRedis(stack.start_redis(workdir=workdir))
+    try:
+        _materialize(frame, server.url)
+        yield server
+    finally:
+        if server.stalled:
+            server.resume()
+        server.handle.stop()
+
+
 #: The combined scenario: (load s, TPS). Soak: 3 minutes at 200 TPS, each fault twice.
 COMBINED_S, COMBINED_RATE = (180.0, 200.0) if SOAK else (60.0, 120.0)
 
@@ -917,11 +950,8 @@ def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame
     10 s Redis stall (SIGSTOP/SIGCONT), in one run. Read as a `read_committed`
     consumer would: every transaction has exactly one decision; none lost, none
     twice, none disagreeing."""
-    redis_handle = stack.start_redis(workdir=tmp_path / "redis")
-    stalled = False
-    try:
-        _materialize(sim_frame, redis_handle.url)
-        rig = rig_factory(redis_handle.url, "combined", FRAUD_WORKER_ROLE="score")
+    with stallable_redis(sim_frame, tmp_path / "redis") as redis_server:
+        rig = rig_factory(redis_server.url, "combined", FRAUD_WORKER_ROLE="score")
         _defaults_only(rig)
         sent: list[Msg] = []
         rounds = 2 if SOAK else 1
@@ -931,7 +961,6 @@ def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame
             await asyncio.sleep(max(0.0, COMBINED_S * fraction - (time.monotonic() - t0)))
 
         async def scenario() -> None:
-            nonlocal stalled
             await rig.topics.create(rig.bootstrap, PARTITIONS)
             async with rig.collector() as col:
                 a, b = rig.workers.start(), rig.workers.start()
@@ -950,12 +979,10 @@ def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame
                         joiner = rig.workers.start()
                         events.append(f"join@{time.monotonic() - t0:.0f}s")
                         await at(base + 0.5 / rounds, t0)
-                        os.kill(redis_handle.pid, signal.SIGSTOP)
-                        stalled = True
+                        redis_server.stall()
                         events.append(f"redis_stop@{time.monotonic() - t0:.0f}s")
                         await asyncio.sleep(10.0)
-                        os.kill(redis_handle.pid, signal.SIGCONT)
-                        stalled = False
+                        redis_server.resume()
                         await at(base + 0.75 / rounds, t0)
                         b.terminate()  # leaves the group
                         events.append(f"sigterm@{time.monotonic() - t0:.0f}s")
@@ -979,10 +1006,6 @@ def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame
                 assert sum(w.alive() for w in rig.workers.started) == 2, rig.workers.logs()
 
         asyncio.run(scenario())
-    finally:
-        if stalled:
-            os.kill(redis_handle.pid, signal.SIGCONT)
-        redis_handle.stop()
 
 
 @pytest.mark.timeout(300)
@@ -997,11 +1020,8 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
     provisional one, which never approves."""
     key = secrets.token_bytes(32)
     client = "resend-client"
-    redis_handle = stack.start_redis(workdir=tmp_path / "redis")
-    stalled = False
-    try:
-        _materialize(sim_frame, redis_handle.url)
-        rig = rig_factory(redis_handle.url, "resend", FRAUD_WORKER_ROLE="score",
+    with stallable_redis(sim_frame, tmp_path / "redis") as redis_server:
+        rig = rig_factory(redis_server.url, "resend", FRAUD_WORKER_ROLE="score",
                           FRAUD_CLIENT_KEYS=f"{client}:{key.hex()}", FRAUD_ALLOW_UNSIGNED="false")  # fmt: skip
         _defaults_only(rig)
 
@@ -1014,7 +1034,6 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
         first = [signed(d, f"first-{i}") for i, d in enumerate(docs)]
 
         async def scenario() -> None:
-            nonlocal stalled
             await rig.topics.create(rig.bootstrap, PARTITIONS)
             async with rig.collector() as col:
                 w1 = rig.workers.start()
@@ -1025,14 +1044,12 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                     await send_all(producer, rig.topics.transactions, first)
                     await col.wait_for(lambda: all(col.has_outcome(m) for m in first), DRAIN_TIMEOUT_S, "first decisions")
                     w1.kill9()
-                    os.kill(redis_handle.pid, signal.SIGSTOP)
-                    stalled = True
+                    redis_server.stall()
                     w2 = rig.workers.start()
                     resent = [signed(d, f"again-{i}") for i, d in enumerate(docs[:100])]
                     await send_all(producer, rig.topics.transactions, resent)
                     await col.wait_for(lambda: all(col.has_outcome(m) for m in resent), PROBE_TIMEOUT_S, "resends")
-                    os.kill(redis_handle.pid, signal.SIGCONT)
-                    stalled = False
+                    redis_server.resume()
                 finally:
                     await producer.stop()
                 await asyncio.sleep(3.0)  # late duplicates would show by now
@@ -1062,10 +1079,6 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                 assert w2.alive(), w2.log()
 
         asyncio.run(scenario())
-    finally:
-        if stalled:
-            os.kill(redis_handle.pid, signal.SIGCONT)
-        redis_handle.stop()
 
 
 @pytest.mark.timeout(300)

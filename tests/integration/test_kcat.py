@@ -9,7 +9,6 @@ import re
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -33,15 +32,12 @@ def readme_kcat_block() -> str:
     return re.search(r"```sh\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path
-
-
 def test_the_readme_kcat_example_gets_its_decision(
-    kafka_bootstrap: str, redis_url: str, sim_frame: pd.DataFrame, trained_registry: Path, workdir: Path
+    kafka_bootstrap: str, redis_url: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
 ) -> None:
     import redis
+
+    workdir = tmp_path
 
     client = redis.Redis.from_url(redis_url)
     try:
