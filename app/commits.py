@@ -78,14 +78,17 @@ class TransactionCommits:
 
     async def admit(self, events: Sequence[Any]) -> Admitted[Any, Any]:
         """The events to score now; seeks partitions back over records that never arrived."""
-        if self._pending_assignment is not None:
-            tps, self._pending_assignment = self._pending_assignment, None
+        tps = self._pending_assignment
+        if tps is not None:
             # First fence the previous owners (a new producer epoch per partition),
             # then read the offsets: whatever they committed is in them by then.
+            # If either fails, the assignment stays pending for the next batch.
             await self.emitter.assign(tp.partition for tp in tps)
             positions = await self._read_positions(tps)
-            self.progress.assign(positions)
-            log.info("deciding %s from offsets %s", self.topic, _fmt(positions))
+            if self._pending_assignment is tps:  # no newer rebalance meanwhile
+                self._pending_assignment = None
+                self.progress.assign(positions)
+                log.info("deciding %s from offsets %s", self.topic, _fmt(positions))
         admitted = self.progress.admit(events, event_position, time.monotonic())
         holes = {tp: (offset, min(o for t, o in map(event_position, events) if t == tp and o > offset))
                  for tp, offset in admitted.rewind.items()}  # fmt: skip
