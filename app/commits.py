@@ -52,8 +52,6 @@ class TransactionCommits:
         self._consumer_options = dict(consumer_options or {})
         #: Called with "hole", "quiet" or "markers" at each seek (the worker's metrics count them).
         self.on_reseek: Callable[[str], None] | None = None
-        #: Called with the number of partitions this worker was fenced from.
-        self.on_fenced: Callable[[int], None] | None = None
         self.progress: PartitionProgress[Any] = PartitionProgress()
         # Partitions assigned but whose committed offsets are not read yet: read
         # by the agent before its next batch, outside faust's rebalance callback.
@@ -125,8 +123,6 @@ class TransactionCommits:
             if fenced:
                 log.warning("fenced from partitions %s: their new owner decides this batch", _fmt_tps(fenced))
                 self.progress.forget(fenced)
-                if self.on_fenced is not None:
-                    self.on_fenced(len(fenced))
             failed = {p: r for p, r in results.items() if r is not None and not isinstance(r, Fenced)}
             if not failed:
                 return

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -221,6 +220,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     )
     metrics.committed = commits.progress.committed_offsets  # lag = fetch highwater - this
     commits.on_reseek = lambda reason: metrics.partition_reseeks.labels(reason).inc()
+    emitter.on_result = lambda result: metrics.transactions.labels(result).inc()
     untrack_read_offsets(app, settings.topic_transactions)
 
     @app.on_partitions_revoked.connect

@@ -119,9 +119,16 @@ class WorkerMetrics:
         )
         self.partition_reseeks = Counter(
             "fraud_partition_reseeks",
-            "Seeks of a transactions partition back to its next offset to decide: 'hole' (a later offset "
-            "arrived first), 'quiet' (records waited past it and nothing was decided for FRAUD_STALL_AFTER_S)",
+            "Seeks of a transactions partition: 'hole' (a later offset arrived first; back to the next "
+            "offset), 'quiet' (records waited past it and nothing was decided for FRAUD_STALL_AFTER_S), "
+            "'markers' (forward, over offsets the log holds no committed record at)",
             ["reason"], registry=r,
+        )  # fmt: skip
+        self.transactions = Counter(
+            "fraud_kafka_transactions",
+            "Kafka transactions of the scoring agent (one per batch and input partition), by result: "
+            "'committed', 'fenced' (another worker owns the partition now), 'failed' (aborted, retried)",
+            ["result"], registry=r,
         )  # fmt: skip
         self.model_info = Gauge(
             "fraud_model_info", "The model and rules versions deciding now (value 1)",

@@ -34,8 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,14 +74,6 @@ class PartitionBatch:
     """(topic, key, value), in the order they are produced."""
 
 
-@dataclass
-class CommitStats:
-    transactions: int = 0
-    fenced: int = 0
-    failed: int = 0
-    seconds: float = 0.0
-
-
 class TransactionalEmitter:
     """One transactional producer per assigned partition of ``topic``."""
 
@@ -101,7 +92,8 @@ class TransactionalEmitter:
         self._options = dict(producer_options)
         self._factory = factory
         self._producers: dict[int, Any] = {}
-        self.stats = CommitStats()
+        #: Called with "committed", "fenced" or "failed" per transaction (the worker's metrics count them).
+        self.on_result: Callable[[str], None] | None = None
 
     @property
     def partitions(self) -> frozenset[int]:
@@ -117,7 +109,11 @@ class TransactionalEmitter:
         """
         await self.close()
         wanted = sorted(set(partitions))
-        started = await asyncio.gather(*(self._start(p) for p in wanted))
+        started = await asyncio.gather(*(self._start(p) for p in wanted), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:  # none of them is kept: the caller tries the whole assignment again
+            await asyncio.gather(*(r.stop() for r in started if not isinstance(r, BaseException)), return_exceptions=True)
+            raise failed[0]
         self._producers = dict(zip(wanted, started))
 
     async def _start(self, partition: int) -> Any:
@@ -145,21 +141,15 @@ class TransactionalEmitter:
         worker no longer owns it, or the error that made the transaction abort
         (nothing of it became visible: the caller may retry the same batch).
         """
-        started = time.perf_counter()
         parts = list(batches)
         results = await asyncio.gather(*(self._commit_one(p, batches[p]) for p in parts), return_exceptions=True)
-        self.stats.seconds += time.perf_counter() - started
         out: dict[int, BaseException | None] = {}
         for partition, result in zip(parts, results):
             if isinstance(result, asyncio.CancelledError):
                 raise result
             out[partition] = result
-            if result is None:
-                self.stats.transactions += 1
-            elif isinstance(result, Fenced):
-                self.stats.fenced += 1
-            else:
-                self.stats.failed += 1
+            if self.on_result is not None:
+                self.on_result("committed" if result is None else "fenced" if isinstance(result, Fenced) else "failed")
         return out
 
     async def _commit_one(self, partition: int, batch: PartitionBatch) -> None:
@@ -189,13 +179,3 @@ class TransactionalEmitter:
         """Stop every producer (an open transaction is aborted by the broker)."""
         producers, self._producers = list(self._producers.values()), {}
         await asyncio.gather(*(p.stop() for p in producers), return_exceptions=True)
-
-
-def split_by_partition(
-    origins: Sequence[int | None], records: Sequence[tuple[str, bytes | None, bytes]], default: int
-) -> dict[int, list[tuple[str, bytes | None, bytes]]]:
-    """Group ``records`` by the input partition each came from (``default`` when unknown)."""
-    out: dict[int, list[tuple[str, bytes | None, bytes]]] = {}
-    for origin, record in zip(origins, records):
-        out.setdefault(default if origin is None else origin, []).append(record)
-    return out

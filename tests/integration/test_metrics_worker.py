@@ -130,6 +130,9 @@ def test_metrics_move_with_traffic(
     assert delta("fraud_redis_round_trip_seconds_count", op="enrich") >= 1
     assert delta("fraud_redis_round_trip_seconds_count", op="rate_limit") >= 1
     assert delta("fraud_batch_size_sum") == len(traffic)
+    # Every batch committed in Kafka transactions (one per input partition), none fenced or failed.
+    assert delta("fraud_kafka_transactions_total", result="committed") >= 1
+    assert delta("fraud_kafka_transactions_total", result="fenced") == 0
     # Lag per partition: one worker holds all of them; every message is committed.
     assert len(after["fraud_consumer_lag"]) == PARTITIONS
     assert total(after, "fraud_consumer_lag") == 0, after["fraud_consumer_lag"]
