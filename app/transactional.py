@@ -54,6 +54,12 @@ FENCING_ERRORS = (ProducerFenced, InvalidProducerEpoch, TransactionalIdAuthoriza
 #: for a batch's sends and commit only, so this bounds how long such a worker
 #: can hold back ``read_committed`` consumers when nobody fences it sooner.
 TRANSACTION_TIMEOUT_MS = 10_000
+#: How long an abort or a producer's stop may take. NOTE: aiokafka shields both and
+#: waits for the transaction coordinator without a deadline; with the coordinator
+#: unreachable a worker told to stop hung in them (seen in the soak's combined run).
+#: Past it the broker aborts the transaction itself (TRANSACTION_TIMEOUT_MS, or the
+#: partition's next owner fencing it).
+GIVE_UP_S = 5.0
 
 
 class Fenced(Exception):
@@ -112,7 +118,7 @@ class TransactionalEmitter:
         started = await asyncio.gather(*(self._start(p) for p in wanted), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:  # none of them is kept: the caller tries the whole assignment again
-            await asyncio.gather(*(r.stop() for r in started if not isinstance(r, BaseException)), return_exceptions=True)
+            await _stop_all([r for r in started if not isinstance(r, BaseException)])
             raise failed[0]
         self._producers = dict(zip(wanted, started))
 
@@ -165,10 +171,12 @@ class TransactionalEmitter:
                     {TopicPartition(self.topic, partition): batch.next_offset}, self.group_id
                 )
                 await producer.commit_transaction()
+            except asyncio.CancelledError:
+                raise  # stopping: no abort to wait for (see GIVE_UP_S)
             except BaseException as exc:
                 if not isinstance(exc, FENCING_ERRORS):
                     with contextlib.suppress(Exception):
-                        await producer.abort_transaction()
+                        await asyncio.wait_for(producer.abort_transaction(), GIVE_UP_S)
                 raise
         except FENCING_ERRORS as exc:
             self.release(partition)
@@ -178,4 +186,14 @@ class TransactionalEmitter:
     async def close(self) -> None:
         """Stop every producer (an open transaction is aborted by the broker)."""
         producers, self._producers = list(self._producers.values()), {}
-        await asyncio.gather(*(p.stop() for p in producers), return_exceptions=True)
+        await _stop_all(producers)
+
+
+async def _stop_all(producers: list[Any]) -> None:
+    """Stop producers, each for at most ``GIVE_UP_S``; never raises."""
+
+    async def stop(producer: Any) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(producer.stop(), GIVE_UP_S)
+
+    await asyncio.gather(*(stop(p) for p in producers))
