@@ -17,8 +17,8 @@ out is faust's per-send sensor callbacks (``FRAUD_FAUST_SENSORS`` loses its
 per-topic send counts; our own metrics are unaffected).
 
 NOTE: not ``send_batch`` / one record batch per partition: that, together
-with acknowledgements overlapped with the next batch, was tried in session 3
-and reverted after the rebalance fault test lost records (docs/performance.md).
+with acknowledgements overlapped with the next batch, was tried and reverted
+after the rebalance fault test lost records (docs/decisions.md).
 This keeps faust's per-message accumulator path, only without faust's layers.
 """
 

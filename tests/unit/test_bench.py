@@ -309,7 +309,7 @@ def test_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_plans_fit_their_budgets() -> None:
-    # Main rates as the brief asks; quick mode has no sweep.
+    # The main rates: 1,000 / 2,500 / 5,000 TPS (the goal is 5,000); quick mode has no sweep.
     assert FULL_PLAN.rates == (1000.0, 2500.0, 5000.0) and len(FULL_PLAN.sweep) == 12
     assert QUICK_PLAN.rates == (1000.0,) and QUICK_PLAN.sweep == ()
     assert FULL_PLAN.deadline_s < 600 and QUICK_PLAN.deadline_s < FULL_PLAN.deadline_s
