@@ -58,13 +58,13 @@ test-tools:
 	  || { echo "need chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)"; exit 1; }; }
 
 stack-up: setup
-	$(PY) -m app.stack up
+	$(PY) -m tools.stack up
 
 stack-down:
-	@test -x $(PY) && $(PY) -m app.stack down || true
+	@test -x $(PY) && $(PY) -m tools.stack down || true
 
 stack-status: setup
-	$(PY) -m app.stack status
+	$(PY) -m tools.stack status
 
 $(DATA): | setup
 	$(FP) simulate --users 2000 --merchants 4000 --days 45 --out $(DATA)

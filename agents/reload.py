@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.drift import DriftMonitor, load_reference
-from agents.rules import RuleSet, load_rules
+from pipeline.drift import DriftMonitor, load_reference
+from pipeline.rules import RuleSet, load_rules
 from app.errors import FraudPipelineError
-from models.ensemble import ScoringModel
+from pipeline.model import ScoringModel
 from models.lifecycle import shadow_version
 from models.registry import current_version, load_ensemble
 

@@ -10,7 +10,7 @@
     └── StackError               a local service did not start or become ready
 
 Validation problems are not exceptions: a bad transaction is an expected input,
-returned as a :class:`agents.validate.Rejection` value.
+returned as a :class:`pipeline.validate.Rejection` value.
 """
 
 from __future__ import annotations

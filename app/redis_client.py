@@ -12,7 +12,7 @@ braces), so it lives in one slot:
   entries: ``{u:<user>}``; a merchant's risk: ``{m:<merchant>}``;
   a producing client's bucket: ``{c:<client>}``; a signature: its own key.
 - the velocity script takes one key; the rate-limit script is called once per
-  slot on a cluster (see :class:`agents.ratelimit.RedisRateLimiter`).
+  slot on a cluster (see :class:`pipeline.ratelimit.RedisRateLimiter`).
 
 A batch's pipeline then splits into one pipeline per node (redis-py does
 that), with no cross-slot errors and no MOVED redirects in steady state.

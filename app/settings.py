@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     rate_user_burst: float = 30.0
     """Token bucket per user: bursts like card testing hit it; shoppers never do."""
 
-    # --- REST gateway (app/gateway.py) -----------------------------------------
+    # --- REST gateway (gateway/rest.py) -----------------------------------------
     gateway_host: str = "127.0.0.1"
     """Where ``fraud-pipeline gateway`` listens (``--host``); ``0.0.0.0`` in a container."""
 

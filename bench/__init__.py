@@ -6,6 +6,6 @@
 ``REDIS_URL`` are set), then for each variant (the pass-through ``ceiling``,
 the ``unbatched`` and ``batched`` pipeline, and a batch size × window sweep) a
 worker subprocess on fresh topics, drives it open-loop with
-:func:`app.loadgen.run_load`, and writes ``bench/results/latest.json`` plus the
+:func:`tools.loadgen.run_load`, and writes ``bench/results/latest.json`` plus the
 plots of :mod:`bench.plots`.
 """

@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.loadgen import _population, percentiles
+from tools.loadgen import _population, percentiles
 
 
 async def bench(url: str, key: str, n: int, concurrency: int, data: Path, seed: int) -> dict[str, Any]:
-    from app.simulator import LiveTransactions
+    from tools.simulator import LiveTransactions
 
     source = LiveTransactions(_population(data), seed=seed, fraud_rate=0.02)
     latencies: list[float] = []

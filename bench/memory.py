@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from app.loadgen import LoadConfig, run_load
+from tools.loadgen import LoadConfig, run_load
 
 from bench.run import BATCHED, DATA, SAMPLE_EVERY_S, Phase, Worker, _sampler, machine_info, prepare, services
 

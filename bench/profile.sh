@@ -10,12 +10,12 @@ BIN=.venv/bin; DATA=data/transactions.parquet; WORKER_PID=""
 OUT=.stack/profile-b${BATCH}-r${RATE}.txt
 cleanup() {
   [[ -n "$WORKER_PID" ]] && kill -TERM "$WORKER_PID" 2>/dev/null && sleep 3 && kill -KILL "$WORKER_PID" 2>/dev/null || true
-  $BIN/python -m app.stack down >/dev/null
+  $BIN/python -m tools.stack down >/dev/null
 }
 trap cleanup EXIT
 # py-spy is a tool for this script, not a dependency of the project.
 test -x $BIN/py-spy || $BIN/python -m pip install -q py-spy
-$BIN/python -m app.stack up >/dev/null
+$BIN/python -m tools.stack up >/dev/null
 # shellcheck disable=SC1091
 source .stack/env
 export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_BATCH_SIZE=$BATCH FRAUD_APP_ID=profile-$RANDOM

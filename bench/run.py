@@ -5,9 +5,9 @@
 
 Every variant gets its own worker subprocess on fresh topics, a probe transaction that must come back before load
 starts, warm-up seconds left out of every figure, and open-loop Poisson load
-from :func:`app.loadgen.run_load`. Variants:
+from :func:`tools.loadgen.run_load`. Variants:
 
-    ceiling      ``python -m app.passthrough``: same faust settings and take
+    ceiling      ``python -m bench.passthrough``: same faust settings and take
                  batching as ``batched``, forwards bytes instead of scoring
     unbatched    ``fraud-pipeline worker`` with FRAUD_BATCH_SIZE=1
     batched      ``fraud-pipeline worker`` with 32 per batch, 10 ms window
@@ -86,7 +86,7 @@ READY_TIMEOUT_S = 90.0
 PROBE_TIMEOUT_S = 45.0
 STOP_TIMEOUT_S = 10.0
 SAMPLE_EVERY_S = 0.5
-#: The client id the load generator signs as (app.loadgen prefers "loadgen").
+#: The client id the load generator signs as (tools.loadgen prefers "loadgen").
 BENCH_CLIENT = "loadgen"
 #: NOTE: the simulated population is 2,000 users, so at 5,000 TPS every user
 #: would be over the per-user limit (2/s), which traffic spread over a real
@@ -252,7 +252,7 @@ def run_record(
     variant: Variant, phase: str, offered_tps: float, summary: Mapping[str, Any], *, worker: str,
     other_pids: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
-    """One entry of ``runs`` from a :func:`app.loadgen.run_load` summary (with bench sampling)."""
+    """One entry of ``runs`` from a :func:`tools.loadgen.run_load` summary (with bench sampling)."""
     lat = summary["latency_ms"]
     timeline = summary.get("timeline", [])
     rss = [e["rss_mb"] for e in _measured_entries(timeline) if e.get("rss_mb") is not None]
@@ -527,7 +527,7 @@ def _own_cpu_s() -> float:
 
 
 def _sampler(worker_pid: int, others: Mapping[str, int]) -> Callable[[], dict[str, float]]:
-    """Readings for :class:`app.loadgen.LoadConfig.sample`: CPU seconds and RSS."""
+    """Readings for :class:`tools.loadgen.LoadConfig.sample`: CPU seconds and RSS."""
 
     def sample() -> dict[str, float]:
         out: dict[str, Any] = {
@@ -552,7 +552,7 @@ class Worker:
 
     def __init__(self, variant: Variant, services: Services, workdir: Path, join: Worker | None = None) -> None:
         """``join``: a second process in that worker's group, on its topics."""
-        from app import stack
+        from tools import stack
 
         self.variant = variant
         self.tag = f"{variant.name}-{uuid.uuid4().hex[:8]}"
@@ -580,10 +580,10 @@ class Worker:
         # The load generator sees the settings the worker does (same environment).
         self.settings = settings_from_env(ours)
         if variant.passthrough:
-            argv = [sys.executable, "-m", "app.passthrough"]
+            argv = [sys.executable, "-m", "bench.passthrough"]
         else:
             script = Path(sys.executable).parent / "fraud-pipeline"
-            argv = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+            argv = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
             argv.append("worker")
         argv += ["--web-port", str(port), "--loglevel", "info"]
         self.log_path = workdir / f"worker-{self.tag}.log"
@@ -621,7 +621,7 @@ class Worker:
         return time.monotonic() - self.started_at
 
     def _probe(self) -> None:
-        from app.loadgen import LoadConfig, run_load
+        from tools.loadgen import LoadConfig, run_load
 
         # A handful of transactions; run_load waits up to drain_s for their
         # decisions, which arrive once partitions are assigned and the model loaded.
@@ -681,7 +681,7 @@ def settings_from_env(env: Mapping[str, str]) -> Any:
 
 @contextmanager
 def services(workdir: Path) -> Iterator[Services]:
-    from app import stack
+    from tools import stack
 
     handles: list[Any] = []
     try:
@@ -708,7 +708,7 @@ def services(workdir: Path) -> Iterator[Services]:
 
 def _cli() -> list[str]:
     script = Path(sys.executable).parent / "fraud-pipeline"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
 
 
 def prepare(svc: Services) -> dict[str, Any]:
@@ -775,7 +775,7 @@ class Bench:
             self._stop_s = max(self._stop_s, time.monotonic() - t0)
 
     def _measure(self, worker: Worker, rate: float, phase: Phase, label: str) -> dict[str, Any]:
-        from app.loadgen import LoadConfig, run_load
+        from tools.loadgen import LoadConfig, run_load
 
         self._seed += 1
         cfg = LoadConfig(

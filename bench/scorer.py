@@ -22,14 +22,14 @@ from typing import Any
 import orjson
 import redis
 
-from agents.cache import RedisDecisionCache
-from agents.feature_store import RedisFeatureStore
-from agents.rules import load_rules
-from agents.score import Inbound, Scorer
-from app import stack
-from app.loadgen import _population
-from app.materialize import materialize
-from app.simulator import LiveTransactions
+from pipeline.cache import RedisDecisionCache
+from pipeline.feature_store import RedisFeatureStore
+from pipeline.rules import load_rules
+from pipeline.scorer import Inbound, Scorer
+from tools import stack
+from tools.loadgen import _population
+from tools.materialize import materialize
+from tools.simulator import LiveTransactions
 from models.registry import load_ensemble
 
 

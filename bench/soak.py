@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from app.loadgen import LoadConfig, percentiles, run_load
+from tools.loadgen import LoadConfig, percentiles, run_load
 
 from bench.run import (
     BATCHED, CEILING, DATA, SAMPLE_EVERY_S, Worker, _sampler, machine_info, prepare, proc_rss_mb, services,

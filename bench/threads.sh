@@ -4,7 +4,7 @@
 set -euo pipefail
 cd /work/main
 BIN=.venv/bin; DATA=data/transactions.parquet
-$BIN/python -m app.stack up >/dev/null
+$BIN/python -m tools.stack up >/dev/null
 source .stack/env
 export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_APP_ID=thr-$RANDOM
 $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
@@ -21,4 +21,4 @@ join /tmp/s1 /tmp/s2 | awk '{printf "%-10s %6.1f%%\n", $1, ($3-$2)}' | sort -k2 
 $BIN/py-spy dump --pid $W 2>/dev/null | grep -E "^Thread" 
 tail -1 /tmp/thr-load.txt
 kill -TERM $W; sleep 3; kill -KILL $W 2>/dev/null || true
-$BIN/python -m app.stack down >/dev/null
+$BIN/python -m tools.stack down >/dev/null

@@ -26,7 +26,7 @@ import numpy as np
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from app import stack
+from tools import stack
 from app.transactional import PartitionBatch, TransactionalEmitter
 from bench.run import machine_info
 

@@ -1,7 +1,7 @@
-"""The scoring model contract and the 3-member XGBoost ensemble.
+"""The 3-member XGBoost ensemble (implements :class:`pipeline.model.ScoringModel`).
 
 A model is loaded once (checksums verified, warmed up) and then called with the
-batch's float32 feature matrix in :data:`agents.features.FEATURE_NAMES` order.
+batch's float32 feature matrix in :data:`pipeline.features.FEATURE_NAMES` order.
 It returns one fraud probability per row and, per row, the features that
 pushed the score up most. Contributions use XGBoost's *approximate* per-tree
 attribution: exact TreeSHAP costs ~170 ms per batch of 32 here, the approximate
@@ -11,36 +11,17 @@ one ~2 ms (measured on the 2-core development machine).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import numpy as np
 import xgboost as xgb
 
-from agents.features import FEATURE_NAMES
+from pipeline.features import FEATURE_NAMES
+from pipeline.model import Prediction, ScoringModel
 
 __all__ = ["Member", "Prediction", "ScoringModel", "XGBoostEnsemble"]
 
 TOP_K = 3
-
-
-@dataclass(frozen=True)
-class Prediction:
-    scores: np.ndarray
-    """Fraud probability per row, float in [0, 1]."""
-
-    reasons: list[list[tuple[str, float]]] = field(default_factory=list)
-    """Per row, up to TOP_K (feature name, contribution in log-odds) with positive
-    push; empty for rows below the ``explain_above`` asked for (or no list at all)."""
-
-
-class ScoringModel(Protocol):
-    version: str
-
-    def predict(self, features: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
-        """Scores per row; reasons for rows scoring at least ``explain_above``
-        (None: no reasons, e.g. for a shadow model)."""
-        ...
 
 
 @dataclass

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents.rules import load_rules
+from pipeline.rules import load_rules
 from app.errors import ModelError, ModelNotFound
 from models.registry import current_version, list_versions, read_manifest, set_current, verify
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import xgboost as xgb
 
-from agents.features import FEATURE_NAMES, FEATURE_SET_VERSION
+from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 from app.errors import ModelIntegrityError, ModelNotFound
 from models.ensemble import Member, XGBoostEnsemble
 

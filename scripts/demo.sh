@@ -14,12 +14,12 @@ cleanup() {
     for _ in $(seq 1 50); do kill -0 "$WORKER_PID" 2>/dev/null || break; sleep 0.2; done
     kill -KILL "$WORKER_PID" 2>/dev/null || true
   fi
-  $BIN/python -m app.stack down
+  $BIN/python -m tools.stack down
 }
 trap cleanup EXIT
 
 echo "== 1/5 local stack (Apache Kafka broker + redis-server)"
-$BIN/python -m app.stack up
+$BIN/python -m tools.stack up
 # shellcheck disable=SC1091
 source .stack/env
 

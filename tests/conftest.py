@@ -1,7 +1,7 @@
-"""Fixtures for the real broker and Redis, started lazily by ``app.stack``.
+"""Fixtures for the real broker and Redis, started lazily by ``tools.stack``.
 
 ``kafka_bootstrap`` and ``redis_url`` use ``KAFKA_BOOTSTRAP`` / ``REDIS_URL`` when
-set (a running ``python -m app.stack up``, CI service containers, docker compose),
+set (a running ``python -m tools.stack up``, CI service containers, docker compose),
 else start a private server on a free port for the test session and stop it, by
 PID, at the end. Tests that request none of them start nothing.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 
-from app import stack
+from tools import stack
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -92,7 +92,7 @@ TINY_SIM = {"n_users": 300, "n_merchants": 600, "days": 40, "seed": 11}
 def sim_frame() -> "pd.DataFrame":
     from datetime import UTC, datetime
 
-    from app.simulator import SimulationConfig, simulate
+    from tools.simulator import SimulationConfig, simulate
 
     end = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     return simulate(SimulationConfig(**TINY_SIM, end=end), progress=False)

@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from app.autoscale import broker_offsets
+from tools.autoscale import broker_offsets
 from app.settings import Settings
 from app.topics import ensure_topics
 
@@ -64,7 +64,7 @@ def test_lag_from_the_broker(kafka_bootstrap: str, unique_name: Callable[[str], 
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "FRAUD_TOPIC_TRANSACTIONS": topic, "FRAUD_APP_ID": group,
            "PATH": "/usr/bin:/bin"}  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "scale", "advise", "--from-broker", "--interval", "1",
+        [sys.executable, "-m", "tools.cli", "scale", "advise", "--from-broker", "--interval", "1",
          "--capacity-tps", "1", "--drain-s", "60"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -118,7 +118,7 @@ def test_a_fenced_worker_drops_the_partition_and_keeps_the_others(
 
 
 def test_faust_worker_consumer_reads_committed_only(kafka_bootstrap: str) -> None:
-    """The patch in app/faust_app.py (faust-streaming internals): the consumer faust
+    """The seam in app/seams.py (faust-streaming internals): the consumer faust
     builds for a worker hands read_committed to aiokafka's fetcher, so the feedback
     loop never reads an aborted batch's records. Fails if an upgrade makes it a no-op."""
     from aiokafka.consumer.fetcher import READ_COMMITTED
@@ -147,7 +147,7 @@ def test_a_transactional_payment_client_is_decided_exactly_once_without_stalls(
     transaction once, and never decides an aborted one."""
     import redis
 
-    from app.materialize import materialize
+    from tools.materialize import materialize
     from workers import Collector, Topics, TxFactory, Workers, tx_msg, worker_env
 
     client = redis.Redis.from_url(redis_url)

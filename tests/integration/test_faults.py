@@ -14,7 +14,7 @@ model_version, ``lost`` neither.
 
 ``FRAUD_SOAK=1`` runs the long variant (60 s of load at a higher rate, longer
 outages, more hostile messages); the default is the fast one for ``make test``.
-Workers run as subprocesses (``python -m app.cli worker``), each with its own
+Workers run as subprocesses (``python -m tools.cli worker``), each with its own
 topics and consumer group, and are stopped by PID in ``finally`` blocks.
 """
 
@@ -45,9 +45,9 @@ from aiokafka.partitioner import DefaultPartitioner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from agents.auth import sign
-from app import stack
-from app.materialize import materialize
+from pipeline.auth import sign
+from tools import stack
+from tools.materialize import materialize
 
 from workers import (  # tests/integration is on sys.path (pytest rootdir-relative import)
     Collector,
@@ -378,7 +378,7 @@ class SlowModel:
     def predict(self, matrix: Any, explain_above: float | None = 0.0) -> Any:
         import numpy as np
 
-        from models.ensemble import Prediction
+        from pipeline.model import Prediction
 
         time.sleep(self.sleep_s)
         return Prediction(np.full(matrix.shape[0], 0.99), [])
@@ -387,10 +387,10 @@ class SlowModel:
 def test_fault_model_budget(sim_frame: pd.DataFrame) -> None:
     """A model slower than ``model_budget_s``: every decision degraded, and the batch
     returns within the budget plus a small margin (the model's thread is abandoned)."""
-    from agents.cache import InMemoryDecisionCache
-    from agents.feature_store import InMemoryFeatureStore
-    from agents.rules import parse_rules
-    from agents.score import Inbound, Scorer
+    from pipeline.cache import InMemoryDecisionCache
+    from pipeline.feature_store import InMemoryFeatureStore
+    from pipeline.rules import parse_rules
+    from pipeline.scorer import Inbound, Scorer
 
     budget_s, sleep_s, margin_s = 0.05, 0.6, 0.25
     scorer = Scorer(
@@ -871,7 +871,7 @@ def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
                     assert dl["error"]["code"] == expected[kind], (kind, dl["error"])
                     assert dl["transaction_id"] is None and dl["_key"] is None
                     assert base64.b64decode(dl["value_b64"]) == m.value
-            # NOTE: the cache is consulted before the replay guard (agents/score.py), so
+            # NOTE: the cache is consulted before the replay guard (pipeline/scorer.py), so
             # a copy of a *decided* message gets that decision again, marked cached, and
             # no `replayed` dead letter; the guard covers copies the cache cannot answer.
             [again] = replay

@@ -12,8 +12,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from agents.feature_store import RedisFeatureStore, profile_key, velocity_key
-from agents.features import (
+from pipeline.feature_store import RedisFeatureStore, profile_key, velocity_key
+from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
     build_user_profiles,
@@ -24,7 +24,7 @@ from agents.features import (
     training_matrix,
 )
 from app.contract import Transaction
-from app.materialize import META_KEY, materialize
+from tools.materialize import META_KEY, materialize
 
 pytestmark = pytest.mark.integration
 
@@ -74,8 +74,8 @@ def test_served_features_equal_training_features(
     materialize(sim_frame[sim_frame["timestamp"] < pd.Timestamp(day, unit="s", tz="UTC")],
                 redis_client, as_of=day, progress=False)
     # Merchant risk with labels: the materialized as-of-day snapshot is what training uses too.
-    from agents.features import build_merchant_risk
-    from agents.feature_store import merchant_key
+    from pipeline.features import build_merchant_risk
+    from pipeline.feature_store import merchant_key
 
     for merchant, risk in build_merchant_risk(history, day).items():
         redis_client.hset(merchant_key(merchant), mapping=risk.to_mapping())

@@ -38,8 +38,8 @@ import pandas as pd
 import pytest
 import redis
 
-from app.materialize import materialize
-from app.replay import read_topic
+from tools.materialize import materialize
+from tools.replay import read_topic
 from models.registry import current_version, read_manifest
 from workers import (
     REPO,
@@ -85,7 +85,7 @@ class Loop:
 
     def cli(self, *args: str) -> str:
         """Run `fraud-pipeline ARGS` against this worker's topics, Redis and registry."""
-        done = subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=self.env,
+        done = subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO, env=self.env,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 0, f"fraud-pipeline {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
         return done.stdout

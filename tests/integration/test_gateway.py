@@ -33,10 +33,10 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agents.labels import parse_label
-from app import stack
+from pipeline.labels import parse_label
+from tools import stack
 from app.contract import ACTIONS
-from app.materialize import materialize
+from tools.materialize import materialize
 from app.topics import partitions_of
 from workers import REPO, RULES, Topics, TxFactory, Workers, worker_env
 
@@ -97,7 +97,7 @@ class GatewayProc:
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "gateway", "--port", str(self.port)],
+                [sys.executable, "-m", "tools.cli", "gateway", "--port", str(self.port)],
                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip

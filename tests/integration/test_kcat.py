@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from app.materialize import materialize
+from tools.materialize import materialize
 from workers import Topics, Workers, worker_env
 
 pytestmark = [

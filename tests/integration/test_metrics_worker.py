@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents.auth import sign
-from app.autoscale import advise, measure
+from pipeline.auth import sign
+from tools.autoscale import advise, measure
 from models.registry import current_version
 from tests.integration.workers import (
     Collector,

@@ -32,8 +32,8 @@ import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
-from app import stack
-from app.materialize import materialize
+from tools import stack
+from tools.materialize import materialize
 from workers import Topics, TxFactory  # tests/integration is on sys.path, as test_faults imports it
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -180,7 +180,7 @@ class Worker:
         self.port = stack.free_port()
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "worker", "--web-port", str(self.port), "--loglevel", "info"],
+                [sys.executable, "-m", "tools.cli", "worker", "--web-port", str(self.port), "--loglevel", "info"],
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.DEVNULL,

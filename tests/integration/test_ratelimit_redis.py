@@ -18,8 +18,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from agents.auth import InMemoryReplayGuard, RedisReplayGuard, signature_key
-from agents.ratelimit import (
+from pipeline.auth import InMemoryReplayGuard, RedisReplayGuard, signature_key
+from pipeline.ratelimit import (
     ALLOWED,
     TOKEN_BUCKET_SCRIPT,
     InMemoryRateLimiter,

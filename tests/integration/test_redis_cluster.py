@@ -20,15 +20,15 @@ import pandas as pd
 import pytest
 import redis
 
-from agents.auth import RedisReplayGuard
-from agents.cache import RedisDecisionCache
-from agents.feature_store import RedisFeatureStore
-from agents.ratelimit import InMemoryRateLimiter, RedisRateLimiter
-from agents.score import Inbound
-from agents.validate import validate
-from app import stack
-from app.faust_app import Runtime
-from app.materialize import materialize
+from pipeline.auth import RedisReplayGuard
+from pipeline.cache import RedisDecisionCache
+from pipeline.feature_store import RedisFeatureStore
+from pipeline.ratelimit import InMemoryRateLimiter, RedisRateLimiter
+from pipeline.scorer import Inbound
+from pipeline.validate import validate
+from tools import stack
+from agents.score import Runtime
+from tools.materialize import materialize
 from app.redis_client import async_client, sync_client
 from app.settings import Settings
 from tests.integration.workers import RULES, TxFactory

@@ -1,4 +1,4 @@
-"""The local stack: real broker and Redis processes, started and stopped by ``app.stack``."""
+"""The local stack: real broker and Redis processes, started and stopped by ``tools.stack``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from app import stack
+from tools import stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -16,7 +16,7 @@ import orjson
 import pandas as pd
 import pytest
 
-from app import stack
+from tools import stack
 from workers import REPO, Collector, Topics, TxFactory, Workers, make_producer, send_all, tx_msg, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -25,7 +25,7 @@ PARTITIONS = 2
 
 
 def report(env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "app.cli", "report", "quality", "--json"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "tools.cli", "report", "quality", "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -108,7 +108,7 @@ def test_a_worker_starts_in_a_fresh_checkout_without_a_state_dir(
     checkout.mkdir()
     log = tmp_path / "worker.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--web-port", str(stack.free_port())], cwd=checkout, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "worker", "--web-port", str(stack.free_port())], cwd=checkout, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90

@@ -32,7 +32,7 @@ import orjson
 import pandas as pd
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from app import stack
+from tools import stack
 from app.settings import Settings
 from app.topics import ensure_topics, topic_partitions
 
@@ -220,7 +220,7 @@ class WorkerProc:
     def __init__(self, env: dict[str, str], log_path: Path, *, broker_wait: float | None = None) -> None:
         self.log_path = log_path
         self.port = stack.free_port()
-        argv = [sys.executable, "-m", "app.cli", "worker", "--web-port", str(self.port), "--loglevel", "info"]
+        argv = [sys.executable, "-m", "tools.cli", "worker", "--web-port", str(self.port), "--loglevel", "info"]
         if broker_wait is not None:
             argv += ["--broker-wait", str(broker_wait)]
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-from agents.admission import Admission
-from agents.auth import InMemoryReplayGuard, sign
-from agents.cache import InMemoryDecisionCache
-from agents.feature_store import InMemoryFeatureStore
-from agents.ratelimit import InMemoryRateLimiter
-from agents.rules import parse_rules
-from agents.score import Inbound, Scorer
-from models.ensemble import Prediction
+from pipeline.admission import Admission
+from pipeline.auth import InMemoryReplayGuard, sign
+from pipeline.cache import InMemoryDecisionCache
+from pipeline.feature_store import InMemoryFeatureStore
+from pipeline.ratelimit import InMemoryRateLimiter
+from pipeline.rules import parse_rules
+from pipeline.scorer import Inbound, Scorer
+from pipeline.model import Prediction
 
 KEY = bytes(range(32))
 RULES = parse_rules(

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from agents.auth import (
+from pipeline.auth import (
     AUTH_CODES,
     UNSIGNED,
     AuthResult,
@@ -23,7 +23,7 @@ from agents.auth import (
     signature_key,
     verify,
 )
-from agents.validate import Rejection
+from pipeline.validate import Rejection
 from app.errors import ConfigError
 
 KEY = bytes(range(32))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from app.autoscale import WorkerScrape, advise, combine, parse_scrape
+from tools.autoscale import WorkerScrape, advise, combine, parse_scrape
 from app.errors import ConfigError
 
 
@@ -108,7 +108,7 @@ def test_combine_idle_falls_back_to_the_capacity_gauge() -> None:
 
 
 def test_combine_broker_samples() -> None:
-    from app.autoscale import PartitionOffsets, combine_broker
+    from tools.autoscale import PartitionOffsets, combine_broker
 
     first = {0: PartitionOffsets(100, 90), 1: PartitionOffsets(50, None)}
     second = {0: PartitionOffsets(160, 150), 1: PartitionOffsets(80, 20)}

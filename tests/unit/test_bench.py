@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.loadgen import LoadConfig, percentiles
+from tools.loadgen import LoadConfig, percentiles
 from bench.run import (
     BATCHED,
     CEILING,
@@ -36,7 +36,7 @@ from bench.run import (
 
 def summary(rate: float = 1000.0, *, p99: float | None = 40.0, lost: int = 0, degraded: int = 0,
             gen_lag: float = 2.0, decided: int = 5000) -> dict[str, Any]:  # fmt: skip
-    """What app.loadgen.run_load returns for a bench run (warm-up 1 s, 5 s in all)."""
+    """What tools.loadgen.run_load returns for a bench run (warm-up 1 s, 5 s in all)."""
     lat = None if p99 is None else {"p50": p99 / 4, "p95": p99 / 2, "p99": p99, "p99.9": p99 * 1.5, "max": p99 * 2}
     return {
         "offered_rate": rate,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
+from tools.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_the_documented_commands_exist() -> None:
 def test_help(command: tuple[str, ...]) -> None:
     """Each runs in a fresh process (as a user would), exits 0 and prints its usage."""
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", *command, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "tools.cli", *command, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: fraud-pipeline {' '.join(command)}"), done.stdout[:200]
@@ -45,7 +45,7 @@ def test_help(command: tuple[str, ...]) -> None:
 
 
 def test_top_level_help_lists_every_command() -> None:
-    done = subprocess.run([sys.executable, "-m", "app.cli", "--help"], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tools.cli", "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 0
     for name in {c[0] for c in COMMANDS}:

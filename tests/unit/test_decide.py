@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from agents.decide import describe_reason, explain
-from agents.features import FEATURE_NAMES
+from pipeline.decide import describe_reason, explain
+from pipeline.features import FEATURE_NAMES
 
 
 def row(**values: float) -> list[float]:

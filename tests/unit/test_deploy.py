@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.metrics import WorkerMetrics
+from agents.metrics import WorkerMetrics
 from app.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]

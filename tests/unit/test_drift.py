@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from agents.drift import DriftMonitor, build_reference, psi
-from agents.features import FEATURE_NAMES
+from pipeline.drift import DriftMonitor, build_reference, psi
+from pipeline.features import FEATURE_NAMES
 
 AMOUNT = FEATURE_NAMES.index("amount_usd")
 
@@ -51,7 +51,7 @@ def test_shifted_amounts_and_scores_are_flagged_and_logged(caplog: pytest.LogCap
     rng = np.random.default_rng(3)
     reference = build_reference(matrix(rng, 20_000), rng.beta(1, 20, 20_000), ["amount_usd"])
     monitor = DriftMonitor("v1", reference, window_rows=2000, warn_psi=0.2)
-    with caplog.at_level(logging.WARNING, logger="agents.drift"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.drift"):
         record = monitor.observe(matrix(rng, 2000, amount_scale=4.0), rng.beta(2, 5, 2000))
     assert record is not None and record["warning"]
     assert record["drifting"] == ["amount_usd", "score"]

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from agents.features import (
+from pipeline.features import (
     DAY_S,
     FEATURE_NAMES,
     UserProfile,

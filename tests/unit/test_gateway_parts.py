@@ -10,14 +10,14 @@ from typing import Any
 import orjson
 import pytest
 
-from agents.auth import verify
-from agents.labels import parse_label
-from agents.validate import ERROR_CODES
+from pipeline.auth import verify
+from pipeline.labels import parse_label
+from pipeline.validate import ERROR_CODES
 from app.contract import ACTIONS, OPTIONAL_FIELDS, REQUIRED_FIELDS
-from app.gateway import ApiKeys, Signer, retry_after_header
-from app.openapi import openapi_document
-from app.replies import Replies
-from app.review import REVIEW_MARK, ReviewQueue, analyst_label
+from gateway.rest import ApiKeys, Signer, retry_after_header
+from gateway.openapi import openapi_document
+from gateway.replies import Replies
+from gateway.review import REVIEW_MARK, ReviewQueue, analyst_label
 from app.settings import Settings
 
 KEY = bytes(range(32))

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from agents.reload import Reloader
-from agents.rules import load_rules
+from pipeline.rules import load_rules
 from app.errors import ModelError, ModelNotFound, RulesError
 from models import lifecycle
 from models.registry import current_version, read_manifest

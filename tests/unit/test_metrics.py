@@ -13,17 +13,17 @@ import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents.admission import Admission
-from agents.auth import InMemoryReplayGuard
-from agents.cache import InMemoryDecisionCache
-from agents.feature_store import InMemoryFeatureStore
-from agents.features import FEATURE_NAMES
-from agents.ratelimit import InMemoryRateLimiter
-from agents.rules import parse_rules
-from agents.score import Inbound, Scorer
-from app.metrics import WorkerMetrics, consumer_lag, reason_label
+from pipeline.admission import Admission
+from pipeline.auth import InMemoryReplayGuard
+from pipeline.cache import InMemoryDecisionCache
+from pipeline.feature_store import InMemoryFeatureStore
+from pipeline.features import FEATURE_NAMES
+from pipeline.ratelimit import InMemoryRateLimiter
+from pipeline.rules import parse_rules
+from pipeline.scorer import Inbound, Scorer
+from agents.metrics import WorkerMetrics, consumer_lag, reason_label
 from app.settings import Settings
-from models.ensemble import Prediction
+from pipeline.model import Prediction
 
 RULES = parse_rules(
     {
@@ -178,7 +178,7 @@ def test_throughput_window() -> None:
 
 def test_the_throughput_window_stays_bounded_when_nobody_scrapes() -> None:
     """A worker without a Prometheus scraping it must not keep every batch ever seen."""
-    from agents.score import BatchOutput, Inbound
+    from pipeline.scorer import BatchOutput, Inbound
 
     metrics = WorkerMetrics(Settings())
     old = time.monotonic() - 3600

@@ -8,8 +8,8 @@ import fakeredis
 import numpy as np
 import pytest
 
-from agents.labels import Label
-from agents.quality import JoinLedger, RedisQualityStore, Served, format_quality, quality_report
+from pipeline.labels import Label
+from pipeline.quality import JoinLedger, RedisQualityStore, Served, format_quality, quality_report
 
 T0 = 1_790_000_000.0
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from agents.ratelimit import (
+from pipeline.ratelimit import (
     ALLOWED,
     InMemoryRateLimiter,
     Limit,

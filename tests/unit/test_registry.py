@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.features import FEATURE_NAMES
+from pipeline.features import FEATURE_NAMES
 from app.errors import ModelIntegrityError, ModelNotFound
 from models.registry import current_version, load_ensemble, read_manifest
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.rules import evaluate_rules, load_rules, parse_rules
+from pipeline.rules import evaluate_rules, load_rules, parse_rules
 from app.contract import Transaction
 from app.errors import RulesError
 
@@ -85,7 +85,7 @@ def test_the_shipped_rules_file_is_valid(tmp_path: Path) -> None:
 
 
 def test_a_merchant_with_confirmed_fraud_forces_review() -> None:
-    from agents.labels import Label, MerchantTally
+    from pipeline.labels import Label, MerchantTally
 
     with_rule = parse_rules({**RULES, "confirmed_fraud_merchant": {"min_frauds": 2, "min_share": 0.5}})
     tally = MerchantTally()
@@ -102,7 +102,7 @@ def test_a_merchant_with_confirmed_fraud_forces_review() -> None:
 
 
 def test_a_redelivered_label_counts_once_and_a_changed_verdict_moves() -> None:
-    from agents.labels import Label, MerchantTally, parse_label
+    from pipeline.labels import Label, MerchantTally, parse_label
 
     tally = MerchantTally()
     assert tally.apply(Label("t1", "fraud", "analyst", 0.0))

@@ -21,9 +21,9 @@ import orjson
 import pandas as pd
 import pytest
 
-from agents.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
-from agents.feature_store import Enrichment, InMemoryFeatureStore
-from agents.features import (
+from pipeline.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
+from pipeline.feature_store import Enrichment, InMemoryFeatureStore
+from pipeline.features import (
     DAY_S,
     FEATURE_NAMES,
     FEATURE_SET_VERSION,
@@ -31,11 +31,11 @@ from agents.features import (
     build_user_profiles,
     prepare_history,
 )
-from agents.rules import parse_rules
-from agents.score import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
-from agents.validate import Limits, validate
+from pipeline.rules import parse_rules
+from pipeline.scorer import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
+from pipeline.validate import Limits, validate
 from app.contract import Transaction
-from models.ensemble import Prediction
+from pipeline.model import Prediction
 
 BLOCKED_DEVICE = "d-blocked-unit"
 RULES = parse_rules(
@@ -648,7 +648,7 @@ def test_an_oversized_message_leaves_a_dead_letter_small_enough_to_produce() -> 
     import base64 as b64
     import hashlib
 
-    from agents.validate import Limits
+    from pipeline.validate import Limits
 
     scorer = Scorer(
         model=None, rules=RULES, store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(),

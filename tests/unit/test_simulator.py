@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.contract import CURRENCY_TO_USD, REQUIRED_FIELDS, TRAINING_COLUMNS
-from app.simulator import (
+from tools.simulator import (
     LiveTransactions,
     Population,
     SimulationConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from agents.validate import ERROR_CODES, Limits, Rejection, validate
+from pipeline.validate import ERROR_CODES, Limits, Rejection, validate
 from app.contract import Transaction
 
 NOW = 1_764_633_600.0  # 2025-12-02T00:00:00Z

@@ -6,7 +6,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.validate import ERROR_CODES, Limits, Rejection, validate
+from pipeline.validate import ERROR_CODES, Limits, Rejection, validate
 from app.contract import Transaction
 
 NOW = 1_800_000_000.0

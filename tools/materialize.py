@@ -1,7 +1,7 @@
 """Write batch-computed features to the Redis online store.
 
 Profiles and merchant risk are built by the same functions training uses
-(:mod:`agents.features`) as of one time, and written as one hash per user and
+(:mod:`pipeline.features`) as of one time, and written as one hash per user and
 per merchant, each carrying the feature-set version and ``as_of``, with a TTL.
 The last 24 h of transactions seed each user's velocity sorted set, so the
 first live transactions see the same velocity training saw. Everything is
@@ -20,14 +20,14 @@ import pandas as pd
 import redis
 from tqdm import tqdm
 
-from agents.feature_store import (
+from pipeline.feature_store import (
     VELOCITY_RETENTION_S,
     merchant_key,
     profile_key,
     velocity_key,
     velocity_member,
 )
-from agents.features import (
+from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
     build_merchant_risk,

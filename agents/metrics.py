@@ -4,7 +4,7 @@ One :class:`WorkerMetrics` per faust app, with its own registry (two apps in
 one process, as in tests, never share a metric). It holds:
 
 - what the scoring agent observes after each batch (:meth:`observe_batch`),
-  read from the :class:`~agents.score.BatchOutput` the scorer already returns:
+  read from the :class:`~pipeline.scorer.BatchOutput` the scorer already returns:
   the batch's monitoring record (stage timings, counts, degraded reason, model
   version), its outcomes by (action, cached), and its dead letters' reasons;
 - Redis round trips, timed by thin proxies around the scorer's Redis-backed
@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     import faust
 
-    from agents.score import BatchOutput, Inbound, Scorer
+    from pipeline.scorer import BatchOutput, Inbound, Scorer
     from app.settings import Settings
 
 __all__ = ["THROUGHPUT_WINDOW_S", "WorkerMetrics", "consumer_lag", "reason_label"]

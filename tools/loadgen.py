@@ -1,6 +1,6 @@
 """Open-loop load: Poisson arrivals at a fixed rate, latency to the decision.
 
-Transactions come from :class:`app.simulator.LiveTransactions` over the same
+Transactions come from :class:`tools.simulator.LiveTransactions` over the same
 population the training data was simulated from (existing users, their devices
 and merchants). Arrivals are scheduled on the clock, not on acknowledgements:
 a closed loop would slow down with the system and hide its queueing.
@@ -80,7 +80,7 @@ def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | Non
 
 @lru_cache(maxsize=4)  # about a second to build; a benchmark runs many loads
 def _population(data: Path) -> Any:
-    from app.simulator import SimulationConfig, build_population
+    from tools.simulator import SimulationConfig, build_population
 
     sidecar = data.with_suffix(".sim.json")
     meta = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
@@ -91,7 +91,7 @@ def _population(data: Path) -> Any:
 
 def _signer(settings: Settings) -> Any:
     """Sign as the first configured producer client (``loadgen`` if present), or not at all."""
-    from agents.auth import ClientKeys, sign
+    from pipeline.auth import ClientKeys, sign
 
     secret = settings.client_keys.get_secret_value() if settings.client_keys else None
     keys = ClientKeys.load(settings.client_keys_file, secret)
@@ -103,7 +103,7 @@ def _signer(settings: Settings) -> Any:
 
 
 async def run_load(cfg: LoadConfig) -> dict[str, Any]:
-    from app.simulator import LiveTransactions
+    from tools.simulator import LiveTransactions
 
     s = cfg.settings
     source = LiveTransactions(_population(cfg.data), seed=cfg.seed, fraud_rate=cfg.fraud_rate)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from agents.features import FEATURE_NAMES
+from pipeline.features import FEATURE_NAMES
 
 __all__ = ["REFERENCE_FILE", "DriftMonitor", "build_reference", "load_reference", "psi", "top_features"]
 

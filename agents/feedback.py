@@ -1,7 +1,7 @@
 """The feedback loop's agents: live quality from labels joined with feedback.
 
 Two plain agents (``take`` batches, no scoring work) feed
-:class:`agents.quality.RedisQualityStore`: one reads ``feedback`` (one record
+:class:`pipeline.quality.RedisQualityStore`: one reads ``feedback`` (one record
 per fresh decision), one reads ``labels``. The group leader publishes a
 ``quality`` record to ``monitoring`` every ``quality_every_s``. Kept out of the
 scoring agent: nothing here is on the decision path, and a Redis hiccup here
@@ -18,8 +18,9 @@ from typing import Any
 import faust
 import orjson
 
-from agents.labels import Label, parse_label
-from agents.quality import RedisQualityStore, quality_report, served_from_feedback
+from pipeline.labels import Label, parse_label
+from pipeline.quality import RedisQualityStore, quality_report, served_from_feedback
+from app.faust_app import RAW, base_app
 from app.settings import Settings
 
 __all__ = ["create_feedback_app", "install_feedback_loop", "quality_prefix"]
@@ -45,25 +46,18 @@ def create_feedback_app(settings: Settings) -> faust.App:
     scales without rebalancing the other. The Redis keys stay those of the
     deployment's app id, so ``report quality`` reads the same figures.
     """
-    from app.faust_app import base_app  # NOTE: faust_app imports this module
-
     app = base_app(settings.model_copy(update={"app_id": f"{settings.app_id}-feedback"}))
-    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
-    install_feedback_loop(
-        app,
-        settings,
-        feedback=app.topic(settings.topic_feedback, **raw),
-        labels=app.topic(settings.topic_labels, **raw),
-        monitoring=app.topic(settings.topic_monitoring, **raw),
-    )
+    install_feedback_loop(app, settings)
     return app
 
 
-def install_feedback_loop(
-    app: faust.App, settings: Settings, *, feedback: Any, labels: Any, monitoring: Any
-) -> None:
+def install_feedback_loop(app: faust.App, settings: Settings) -> None:
+    """Adds the feedback loop's agents (and its quality timer) to ``app``."""
     if not settings.quality_enabled:
         return
+    feedback = app.topic(settings.topic_feedback, **RAW)
+    labels = app.topic(settings.topic_labels, **RAW)
+    monitoring = app.topic(settings.topic_monitoring, **RAW)
     state: dict[str, RedisQualityStore] = {}
 
     def store() -> RedisQualityStore:

@@ -7,12 +7,12 @@ A separate process (``fraud-pipeline gateway --port 8080``) in front of the
 workers, for payment systems without a Kafka client. It checks what it can
 before the message costs a produce (key, contract, rate), then produces the
 body exactly as received, keyed by ``user_id`` and *signed* with the gateway's
-own producer key (:mod:`agents.auth`), so workers that accept only signed
-traffic accept it. The reply is correlated by id (:mod:`app.replies`), not with
+own producer key (:mod:`pipeline.auth`), so workers that accept only signed
+traffic accept it. The reply is correlated by id (:mod:`gateway.replies`), not with
 faust's ``agent.ask()`` (misrouted inside ``take()``).
 
 The analyst review page (``GET /review``) and its two JSON endpoints live here
-too (:mod:`app.review`); they take *analyst* keys, a separate set, so a payment
+too (:mod:`gateway.review`); they take *analyst* keys, a separate set, so a payment
 client's key cannot label transactions.
 
 Status codes: 200 decision · 400 invalid (validation code) · 401 no/unknown key
@@ -40,14 +40,14 @@ import orjson
 from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
-from agents.auth import ClientKeys, sign
-from agents.labels import LABELS
-from agents.ratelimit import RateDecision, RedisRateLimiter
-from agents.validate import Limits, Rejection, validate
+from pipeline.auth import ClientKeys, sign
+from pipeline.labels import LABELS
+from pipeline.ratelimit import RateDecision, RedisRateLimiter
+from pipeline.validate import Limits, Rejection, validate
 from app.errors import ConfigError
-from app.openapi import openapi_document
-from app.replies import Outcome, Replies
-from app.review import ReviewQueue, ReviewReader, analyst_label
+from gateway.openapi import openapi_document
+from gateway.replies import Outcome, Replies
+from gateway.review import ReviewQueue, ReviewReader, analyst_label
 from app.settings import Settings
 from app.topics import ensure_topics, kafka_auth
 

@@ -11,7 +11,7 @@ arrived for. :class:`ReviewReader` feeds it from ``feedback`` and ``labels``,
 both read from the beginning (they are the history the page shows), with its
 own consumer so a long backlog never delays the gateway's decision replies.
 :func:`analyst_label` builds the label the page's buttons produce, in the
-format of :mod:`agents.labels`.
+format of :mod:`pipeline.labels`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import orjson
 
-from agents.labels import LABELS, Label, parse_label
-from app.replies import TopicReader
+from pipeline.labels import LABELS, Label, parse_label
+from gateway.replies import TopicReader
 from app.settings import Settings
 
 __all__ = ["ReviewQueue", "ReviewReader", "analyst_label"]
@@ -95,7 +95,7 @@ class ReviewQueue:
 
 
 def analyst_label(transaction_id: str, label: str, merchant_id: str | None, now: float) -> bytes:
-    """A label as :func:`agents.labels.parse_label` reads it (source ``analyst``)."""
+    """A label as :func:`pipeline.labels.parse_label` reads it (source ``analyst``)."""
     if label not in LABELS:
         raise ValueError(f"label must be one of {LABELS}, got {label!r}")
     doc: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""A module-level app for faust's own CLI: ``faust -A app.main worker -l info``.
+"""A module-level app for faust's own CLI: ``faust -A agents.main worker -l info``.
 
 ``fraud-pipeline worker`` is the usual entry point; this exists because
 operators who know faust reach for its command first. Importing it loads the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.faust_app import create_app
+from agents.score import create_app
 from app.settings import get_settings
 from app.topics import ensure_topics
 

@@ -2,7 +2,7 @@
 
 Every fresh decision leaves a ``feedback`` record (keyed by transaction id) with
 the model and rules versions, the rule that decided and the action. Labels
-(``agents.labels``) arrive minutes to months later, on the ``labels`` topic.
+(``pipeline.labels``) arrive minutes to months later, on the ``labels`` topic.
 This module joins the two by transaction id — either may arrive first — and
 turns the joined rows into quality figures:
 
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from agents.labels import Label
+from pipeline.labels import Label
 
 __all__ = [
     "Joined",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.labels import MerchantTally
+from pipeline.labels import MerchantTally
 from app.contract import Transaction
 from app.errors import RulesError
 

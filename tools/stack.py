@@ -2,9 +2,9 @@
 
 Used as a library by the pytest fixtures (``tests/conftest.py``) and by hand::
 
-    eval "$(python -m app.stack up)"   # starts both, prints ``export KAFKA_BOOTSTRAP=...`` lines
-    python -m app.stack status          # each service: pid, url, ready or not
-    python -m app.stack down            # stops exactly the PIDs that ``up`` wrote
+    eval "$(python -m tools.stack up)"   # starts both, prints ``export KAFKA_BOOTSTRAP=...`` lines
+    python -m tools.stack status          # each service: pid, url, ready or not
+    python -m tools.stack down            # stops exactly the PIDs that ``up`` wrote
 
 ``up`` keeps its state in ``.stack/``: ``broker.pid`` and ``redis.pid`` (the only
 processes ``down`` ever signals), ``broker.log``, ``redis.log`` and ``env``. When
@@ -295,7 +295,7 @@ def _ensure_port_free(port: int, name: str) -> None:
         except OSError as exc:
             raise StackError(
                 f"cannot start {name}: 127.0.0.1:{port} is in use ({exc.strerror}); "
-                "`python -m app.stack status` shows whether it is ours"
+                "`python -m tools.stack status` shows whether it is ours"
             ) from exc
 
 
@@ -701,9 +701,9 @@ def _read_env(path: Path) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m app.stack up|down|status``; ``up`` prints ``export`` lines for ``eval``."""
+    """``python -m tools.stack up|down|status``; ``up`` prints ``export`` lines for ``eval``."""
     parser = argparse.ArgumentParser(
-        prog="python -m app.stack", description=__doc__.splitlines()[0]
+        prog="python -m tools.stack", description=__doc__.splitlines()[0]
     )
     parser.add_argument("command", choices=("up", "down", "status"))
     parser.add_argument(

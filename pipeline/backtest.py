@@ -2,7 +2,7 @@
 
 Each ``feedback`` record holds the decision as served, the transaction, its
 score and (since this module) the merchant's live tally at decision time — all
-that :func:`agents.rules.evaluate_rules` reads. Re-evaluating a proposed
+that :func:`pipeline.rules.evaluate_rules` reads. Re-evaluating a proposed
 :class:`RuleSet` on them is therefore exact: the same function, the same
 inputs, only the rules differ. Degraded decisions are re-evaluated without a
 score, as they were served.
@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.labels import Label, MerchantTally
-from agents.rules import RuleSet, evaluate_rules
+from pipeline.labels import Label, MerchantTally
+from pipeline.rules import RuleSet, evaluate_rules
 from app.contract import Transaction
 
 __all__ = ["BacktestResult", "backtest", "format_backtest"]

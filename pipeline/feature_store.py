@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from agents.features import (
+from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
     MerchantRisk,

@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 
 from redis.exceptions import NoScriptError
 
-from agents.validate import Rejection
+from pipeline.validate import Rejection
 from app.errors import ConfigError
 from app.redis_client import is_cluster_client
 

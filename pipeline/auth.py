@@ -11,7 +11,7 @@ Each producing client has an id and a secret key. A signed message carries:
 
 :func:`sign` builds these headers; :func:`verify` is pure (keys and clock are
 arguments) and returns an :class:`AuthResult` or a
-:class:`~agents.validate.Rejection` with one of these codes:
+:class:`~pipeline.validate.Rejection` with one of these codes:
 
 =====================  ======================================================
 ``unauthenticated``    a header is missing or unreadable, or the client is
@@ -66,8 +66,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from agents.feature_store import TTLCache
-from agents.validate import Rejection
+from pipeline.feature_store import TTLCache
+from pipeline.validate import Rejection
 from app.redis_client import is_cluster_client
 from app.errors import ConfigError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from agents.features import FEATURE_NAMES
+from pipeline.features import FEATURE_NAMES
 
 __all__ = ["describe_reason", "explain"]
 

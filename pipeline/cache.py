@@ -14,7 +14,7 @@ memory first (a resend carries the same user, so it lands on the same
 partition, usually on the same worker), Redis for the rest, retried for at
 most ``wait_s``. What neither could check comes back as :data:`UNCHECKED`,
 and the scorer then marks the decision *provisional*, which never approves
-(agents/score.py): a resend is never answered with a decision that could
+(pipeline/scorer.py): a resend is never answered with a decision that could
 contradict the first one because Redis was slow.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from agents.feature_store import TTLCache
+from pipeline.feature_store import TTLCache
 from app.contract import Transaction
 from app.redis_client import is_cluster_client
 

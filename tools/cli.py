@@ -37,7 +37,7 @@ def _sim_sidecar(path: Path) -> Path:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from app.simulator import SimulationConfig, simulate, write_parquet
+    from tools.simulator import SimulationConfig, simulate, write_parquet
 
     end = datetime.fromisoformat(args.end) if args.end else None
     cfg = SimulationConfig(
@@ -58,7 +58,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_materialize(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from app.materialize import materialize
+    from tools.materialize import materialize
     from app.redis_client import sync_client
     from app.settings import get_settings
 
@@ -100,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_from_feedback(args: argparse.Namespace) -> int:
-    from app.replay import latest_labels, read_feedback, read_labels
+    from tools.replay import latest_labels, read_feedback, read_labels
     from app.settings import get_settings
     from models.from_feedback import feedback_training_set, train_from_feedback
     from models.training import TrainConfig, format_metrics
@@ -154,8 +154,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
-    from agents.backtest import backtest, format_backtest
-    from agents.rules import load_rules
+    from pipeline.backtest import backtest, format_backtest
+    from pipeline.rules import load_rules
     from app.settings import get_settings
 
     settings = get_settings()
@@ -164,7 +164,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
         print(json.dumps(promote_rules(settings.registry_dir, args.rules_file, settings.rules_path, by=args.by)))
         return 0
-    from app.replay import latest_labels, read_feedback, read_labels
+    from tools.replay import latest_labels, read_feedback, read_labels
 
     rules = load_rules(args.rules_file)
     since = None
@@ -177,13 +177,13 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from agents.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
-    from app.feedback_loop import quality_prefix
+    from pipeline.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
+    from agents.feedback import quality_prefix
     from app.settings import get_settings
 
     settings = get_settings()
     if args.replay:
-        from app.replay import read_feedback, read_labels
+        from tools.replay import read_feedback, read_labels
 
         ledger = JoinLedger(window_s=float("inf"))
         for doc in read_feedback(settings):
@@ -222,7 +222,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import faust
 
-    from app.faust_app import create_app
+    from agents.score import create_app
     from app.settings import Settings
     from app.topics import ensure_topics
 
@@ -245,7 +245,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # clone has no .stack yet.
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.worker_role == "feedback":
-        from app.feedback_loop import create_feedback_app
+        from agents.feedback import create_feedback_app
 
         app = create_feedback_app(settings)
     else:
@@ -256,7 +256,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from app.gateway import run
+    from gateway.rest import run
     from app.settings import Settings
     from app.topics import ensure_topics
 
@@ -275,7 +275,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_loadgen(args: argparse.Namespace) -> int:
-    from app.loadgen import LoadConfig, run_load
+    from tools.loadgen import LoadConfig, run_load
 
     cfg = LoadConfig(
         rate=args.rate, duration_s=args.duration, data=args.data, fraud_rate=args.fraud_rate,
@@ -307,13 +307,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from app import stack
+    from tools import stack
 
     return stack.main([args.action])
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from app.autoscale import advise, measure, measure_broker
+    from tools.autoscale import advise, measure, measure_broker
     from app.settings import get_settings
 
     if args.from_broker:

@@ -6,7 +6,7 @@ The scorer asks twice per batch:
    signed by a known client, within the time window? A refusal is dead-lettered
    only — never answered with a ``reject`` decision keyed by the message's
    transaction id, which an unauthenticated sender could use to overwrite a
-   real payment's decision (see :mod:`agents.auth`).
+   real payment's decision (see :mod:`pipeline.auth`).
 2. :meth:`Admission.admit` (after the decision cache missed, so a resend costs
    no tokens and is never "replayed"): the replay guard and the token buckets,
    asked at the same time. A replay is dead-lettered; a transaction
@@ -26,9 +26,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agents.auth import AuthResult, ReplayGuard, replay_ttl_s, verify
-from agents.ratelimit import RateDecision, RateLimiter
-from agents.validate import Rejection
+from pipeline.auth import AuthResult, ReplayGuard, replay_ttl_s, verify
+from pipeline.ratelimit import RateDecision, RateLimiter
+from pipeline.validate import Rejection
 
 __all__ = ["Admission"]
 

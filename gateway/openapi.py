@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.labels import LABELS
-from agents.validate import ERROR_CODES, MAX_AMOUNT, MAX_ID_LEN
+from pipeline.labels import LABELS
+from pipeline.validate import ERROR_CODES, MAX_AMOUNT, MAX_ID_LEN
 from app.contract import ACTIONS, CURRENCY_TO_USD, REQUIRED_FIELDS
 
 __all__ = ["GATEWAY_ERROR_CODES", "openapi_document"]

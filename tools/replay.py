@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agents.labels import Label, parse_label
+from pipeline.labels import Label, parse_label
 from app.settings import Settings
 from app.topics import kafka_auth, partitions_of
 

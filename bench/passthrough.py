@@ -4,11 +4,11 @@ It consumes the same topic with the same faust settings as the scoring app
 (fetch max wait, producer linger, session timeout, ``take_events(batch_size,
 within)``, ``concurrency=1``) and produces each message's bytes unchanged,
 under its input key, to ``decisions``. The only thing it leaves out is the
-scoring work, so the gap between it and :func:`app.faust_app.create_app` at the
+scoring work, so the gap between it and :func:`agents.score.create_app` at the
 same offered rate is what scoring costs. The load generator matches outputs by
 the ``transaction_id`` inside the value, which the forwarded transaction has.
 
-    python -m app.passthrough --web-port 6070     # used by ``python -m bench.run``
+    python -m bench.passthrough --web-port 6070     # used by ``python -m bench.run``
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import faust
 
 # The scoring app's own configuration, so the two cannot drift apart.
-from app.faust_app import base_app
+from app.faust_app import RAW, base_app
 from app.produce import RawTopic
 from app.settings import Settings
 
@@ -30,10 +30,9 @@ __all__ = ["create_passthrough_app", "main"]
 
 
 def create_passthrough_app(settings: Settings) -> faust.App:
-    """A faust app configured as :func:`app.faust_app.create_app` is, minus scoring."""
+    """A faust app configured as :func:`agents.score.create_app` is, minus scoring."""
     app = base_app(settings)
-    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
-    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **raw)
+    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **RAW)
     decisions = RawTopic(app, settings.topic_decisions)  # the scoring app's produce path
 
     @app.agent(transactions, concurrency=1)  # as the scoring agent (faust-streaming #606)
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one pass-through worker (settings from ``FRAUD_*``, as ``fraud-pipeline worker``)."""
     from app.topics import ensure_topics
 
-    parser = argparse.ArgumentParser(prog="python -m app.passthrough", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.passthrough", description=__doc__.splitlines()[0])
     parser.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
     parser.add_argument("--loglevel", default="info")
     parser.add_argument("--broker-wait", type=float, default=60.0, help="seconds to wait for the broker")

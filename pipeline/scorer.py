@@ -1,0 +1,640 @@
+"""Score one micro-batch: the whole flow, top to bottom.
+
+    raw messages ─ validate ─┬─ rejections ──────────────────────────────► reject + DLQ
+                             └─ cache ─┬─ hits ───────────────────────────► cached decision
+                                       └─ enrich (1 Redis round trip) ─ features ─ ensemble
+                                          (50 ms budget) ─ rules ─────────► decision
+                                                          └ failure/late ─► rules-only, degraded
+
+:class:`Scorer` is free of Kafka: it turns a list of :class:`Inbound` messages
+into a :class:`BatchOutput` (what to produce where). The faust agent in
+:mod:`agents.score` only moves batches in and out. Every message gets exactly
+one outcome: a decision, or a decision with action ``reject`` plus a
+dead-letter record; nothing raised here may escape (faust would ack and lose
+the batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from pipeline.admission import Admission
+from pipeline.auth import UNSIGNED, AuthResult
+from pipeline.cache import UNCHECKED, DecisionCache, content_hash
+from pipeline.decide import explain
+from pipeline.drift import DriftMonitor
+from pipeline.feature_store import Enrichment, FeatureStore
+from pipeline.labels import MerchantTally
+from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
+from pipeline.rules import RuleSet, evaluate_rules
+from pipeline.validate import Limits, Rejection, validate
+from app.contract import Decision, Transaction
+from pipeline.model import Prediction, ScoringModel
+
+__all__ = ["BatchOutput", "Inbound", "Scorer"]
+
+log = logging.getLogger(__name__)
+
+CORRELATION_HEADERS = ("correlation-id", "correlation_id", "x-correlation-id")
+#: What a dead letter keeps of an oversized value or header (see _kept_bytes).
+DLQ_PREFIX_BYTES = 4096
+MAX_DLQ_HEADERS = 64
+MAX_HEADER_NAME = 256
+SCORE_BINS = np.linspace(0.0, 1.0, 11)
+PROVISIONAL_REASON = "provisional: the decision cache could not be read, so a resend could not be ruled out (never approves)"
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One message as read from ``transactions``."""
+
+    value: bytes
+    headers: dict[str, bytes] = field(default_factory=dict)
+    timestamp: float | None = None
+    """The record's timestamp (producer send time), epoch seconds."""
+    partition: int | None = None
+    offset: int | None = None
+
+    @property
+    def correlation_id(self) -> str | None:
+        for name in CORRELATION_HEADERS:
+            raw = self.headers.get(name)
+            if raw:
+                return raw.decode("utf-8", "replace")[:128]
+        return None
+
+
+@dataclass
+class BatchOutput:
+    """Messages to produce, as (key, value) pairs per topic."""
+
+    decisions: list[tuple[bytes, bytes]] = field(default_factory=list)
+    dead_letters: list[tuple[bytes | None, bytes]] = field(default_factory=list)
+    feedback: list[tuple[bytes, bytes]] = field(default_factory=list)
+    monitoring: dict[str, Any] | None = None
+    """This batch's ``monitoring`` record (counts, stage timings, score histogram);
+    serialized where it is produced, read as it is by the worker's metrics."""
+    outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
+    """Decisions produced, by (action, cached)."""
+    to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
+    extra_monitoring: list[bytes] = field(default_factory=list)
+    """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
+    shadow: _ShadowWork | None = None
+    """The shadow model's share of this batch, done by :meth:`Scorer.finish`."""
+    origins: dict[str, list[int | None]] = field(
+        default_factory=lambda: {"decisions": [], "dead_letters": [], "feedback": []}
+    )
+    """Per list above, the input partition each record came from (index for
+    index): the agent commits each partition's records with its offsets."""
+
+    def add(self, kind: str, origin: Inbound, key: bytes | None, value: bytes) -> None:
+        """Append to ``decisions``, ``dead_letters`` or ``feedback``, noting where it came from."""
+        getattr(self, kind).append((key, value))
+        self.origins[kind].append(origin.partition)
+
+    def records_by_partition(
+        self, topics: dict[str, str], default: int
+    ) -> dict[int, list[tuple[str, bytes | None, bytes]]]:
+        """Every record to produce as (topic, key, value), grouped by input
+        partition (``default`` for records of unknown origin); ``topics`` maps
+        ``decisions``/``dead_letters``/``feedback``/``monitoring`` to topic names.
+        The batch's monitoring records go with the ``default`` partition."""
+        out: dict[int, list[tuple[str, bytes | None, bytes]]] = {}
+        for kind in ("decisions", "dead_letters", "feedback"):
+            for origin, (key, value) in zip(self.origins[kind], getattr(self, kind), strict=True):
+                out.setdefault(default if origin is None else origin, []).append((topics[kind], key, value))
+        extra = [orjson.dumps(self.monitoring)] if self.monitoring is not None else []
+        for value in extra + self.extra_monitoring:
+            out.setdefault(default, []).append((topics["monitoring"], None, value))
+        return out
+
+
+@dataclass
+class _ShadowWork:
+    model: ScoringModel
+    matrix: np.ndarray
+    txs: list[Transaction]
+    tallies: list[MerchantTally | None]
+    feedback_at: list[int]
+    """Index in ``BatchOutput.feedback`` of each row's record."""
+    docs: list[dict[str, Any]]
+    """Those feedback records, unserialised, to add the shadow's verdict to."""
+
+
+class _Clock:
+    """Stage timer: ``lap(name)`` records the ms since the previous lap."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        """Charge the time since the last lap to ``name`` (added, if it has some)."""
+        now = time.perf_counter()
+        self.ms[name] = round(self.ms.get(name, 0.0) + (now - self.last) * 1000, 3)
+        self.last = now
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000
+
+
+class Scorer:
+    def __init__(
+        self,
+        *,
+        model: ScoringModel | None,
+        rules: RuleSet,
+        store: FeatureStore,
+        cache: DecisionCache,
+        limits: Limits = Limits(),
+        model_budget_s: float = 0.05,
+        wall_clock: Callable[[], float] = time.time,
+        merchant_tally: Callable[[str], MerchantTally | None] = lambda merchant_id: None,
+        admission: Admission | None = None,
+        shadow: ScoringModel | None = None,
+        drift: DriftMonitor | None = None,
+    ) -> None:
+        self.model = model
+        #: A candidate scored on the same rows after the batch is decided; never decides.
+        self.shadow = shadow
+        #: PSI of served scores and top features against the model's training reference.
+        self.drift = drift
+        self.rules = rules
+        self.store = store
+        self.cache = cache
+        self.limits = limits
+        self.model_budget_s = model_budget_s
+        self.wall_clock = wall_clock
+        #: Live confirmed-fraud tally per merchant (a faust GlobalTable in the worker).
+        self.merchant_tally = merchant_tally
+        #: Authentication, replay guard and rate limits; None trusts every producer.
+        self.admission = admission
+        # NOTE: one thread: a prediction that overran its budget keeps the thread
+        # busy, so the next batch also misses and degrades instead of piling up
+        # CPU-bound work on 2 cores.
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The shadow has a thread of its own: a shadow prediction that overruns
+        # must never queue the next batch's deciding prediction behind it.
+        self._shadow_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow")
+        self._shadow_running: asyncio.Future[Any] | None = None
+        self.shadow_skipped = 0
+        """Batches left without shadow scores because the previous shadow prediction still ran."""
+
+    def swap(self, **parts: Any) -> None:
+        """Replace ``model``, ``rules``, ``shadow`` and/or ``drift``. Call between
+        batches only (the agent does): a batch reads each of them several times
+        and must see one version throughout."""
+        for name, value in parts.items():
+            if name not in ("model", "rules", "shadow", "drift"):
+                raise TypeError(f"cannot swap {name!r}")
+            setattr(self, name, value)
+
+    async def warm_up(
+        self, batch_sizes: Sequence[int] = (1, 8, 32), model: ScoringModel | None = None, shadow: bool = False
+    ) -> None:
+        """Predict once per size on the model thread itself, so the first real
+        batch does not pay for that thread's lazy setup (it missed the budget).
+        ``model`` warms a model about to be swapped in instead of the served one
+        (``shadow``: on the shadow's thread)."""
+        model = model or self.model
+        if model is None:
+            return
+        loop = asyncio.get_running_loop()
+        for size in batch_sizes:
+            matrix = np.zeros((size, len(FEATURE_NAMES)), dtype=np.float32)
+            await loop.run_in_executor(self._shadow_thread if shadow else self._model_thread, model.predict, matrix)
+
+    async def score_batch(self, batch: Sequence[Inbound]) -> BatchOutput:
+        try:
+            return await self._score(batch)
+        except Exception as exc:  # a bug must not cost the batch: reject each message loudly
+            log.exception("scoring a batch of %d failed; rejecting it to the dead-letter topic", len(batch))
+            return self._reject_all(batch, exc)
+
+    async def _score(self, batch: Sequence[Inbound]) -> BatchOutput:
+        clock = _Clock()
+        now = self.wall_clock()
+        out = BatchOutput()
+        stats: Counter[str] = Counter(batch=len(batch))
+
+        # 1. authenticate, then validate
+        valid: list[tuple[Inbound, Transaction]] = []
+        auths: dict[int, AuthResult] = {}
+        for msg in batch:
+            auth = self.admission.authenticate(msg.value, msg.headers, now) if self.admission else UNSIGNED
+            checked = auth if isinstance(auth, Rejection) else validate(msg.value, now, self.limits)
+            if isinstance(checked, Rejection):
+                self._reject(out, msg, checked, now)
+                stats["rejected"] += 1
+                stats[f"rejected_{checked.code}"] += 1
+            else:
+                valid.append((msg, checked))
+                auths[id(msg)] = auth  # type: ignore[assignment]
+        clock.lap("validate")
+
+        # 2. cache: resends are answered as before and go no further
+        fresh, followers, hits, unchecked = await self._answer_from_cache(valid, stats)
+        clock.lap("cache")
+        for msg, tx, hit in hits:  # emitted after the lap, so their latency shows every stage so far
+            self._emit_cached(out, msg, tx, hit, clock)
+
+        # 2b. admission: replays and rate limits, for what the cache did not answer
+        if self.admission is not None and fresh:
+            fresh, followers = await self._admit(fresh, followers, auths, out, now, stats)
+        clock.lap("validate")  # replay and rate checks count as admission, i.e. validation
+
+        # 3. enrich: one round trip for the batch
+        txs = [tx for _, tx in fresh]
+        enrichments: list[Enrichment] | None = None
+        degraded_reason = None
+        if txs:
+            try:
+                enrichments = await self.store.enrich(txs)
+            except Exception as exc:
+                degraded_reason = "feature store unavailable"
+                log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
+        rows = [
+            feature_row(tx, e.profile, e.merchant, e.velocity) for tx, e in zip(txs, enrichments or [])
+        ]
+        clock.lap("features")
+
+        # 4. ensemble under its budget
+        prediction = None
+        matrix = feature_matrix(rows) if rows else None
+        if matrix is not None and self.model is not None:
+            prediction, degraded_reason = await self._predict(matrix)
+        elif txs and self.model is None:
+            degraded_reason = degraded_reason or "no model loaded"
+        clock.lap("model")
+
+        # 5. rules and the decision
+        scores = prediction.scores if prediction is not None else None
+        drafts = []
+        tallies: list[MerchantTally | None] = []
+        for i, (msg, tx) in enumerate(fresh):
+            score = float(scores[i]) if scores is not None else None
+            tally = self._tally(tx.merchant_id)
+            tallies.append(tally)
+            outcome = evaluate_rules(self.rules, tx, score, tally)
+            reasons = prediction.reasons[i] if prediction is not None and prediction.reasons else []
+            words = explain(reasons, rows[i], outcome.hits) if rows else list(outcome.hits)
+            if score is None:
+                words.append(f"degraded: {degraded_reason}")
+            action = outcome.action
+            if tx.transaction_id in unchecked:
+                # Maybe a resend of a payment decided before: never approve what
+                # might have been declined (pipeline/cache.py, LocalFirstCache).
+                action = "review" if action == "approve" else action
+                words.append(PROVISIONAL_REASON)
+            drafts.append((msg, tx, score, action, words, outcome.rule))
+        clock.lap("rules")
+
+        decided = self.wall_clock()
+        records: list[dict[str, Any]] = []
+        feedback_docs: list[dict[str, Any]] = []
+        for i, (msg, tx, score, action, words, rule) in enumerate(drafts):
+            enrichment = enrichments[i] if enrichments else None
+            decision = Decision(
+                transaction_id=tx.transaction_id,
+                user_id=tx.user_id,
+                fraud_score=round(score, 6) if score is not None else _fallback_score(action),
+                action=action,  # type: ignore[arg-type]
+                explanation=words,
+                model_version=self.model.version if score is not None and self.model else None,
+                rules_version=self.rules.version,
+                degraded=score is None,
+                feature_age_s=_round(enrichment.feature_age_s(tx.timestamp)) if enrichment else None,
+                latency_ms=self._latency(msg, clock, decided),
+                correlation_id=msg.correlation_id,
+                decided_at=decided,
+                provisional=tx.transaction_id in unchecked,
+            )
+            record = decision.to_dict()
+            records.append(record)
+            out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
+            out.outcomes[(action, False)] += 1
+            out.to_cache.append((tx, record))
+            doc = self._feedback(tx, record, rows[i] if rows else None, rule, tallies[i])
+            feedback_docs.append(doc)
+            out.add("feedback", msg, tx.transaction_id.encode(), orjson.dumps(doc))
+            stats[action] += 1
+            stats["degraded"] += score is None
+            stats["provisional"] += tx.transaction_id in unchecked
+        for msg, tx, leader in followers:  # resent within this very batch
+            self._emit_cached(out, msg, tx, records[leader], clock)
+            stats["cached"] += 1
+        out.monitoring = self._monitoring(stats, clock, scores, degraded_reason if stats["degraded"] else None)
+        if self.drift is not None and scores is not None and matrix is not None:
+            window = self.drift.observe(matrix, scores)
+            if window is not None:
+                out.extra_monitoring.append(orjson.dumps({**window, "at": self.wall_clock()}))
+        if self.shadow is not None and matrix is not None:
+            out.shadow = _ShadowWork(self.shadow, matrix, txs, tallies, list(range(len(out.feedback))), feedback_docs)
+        return out
+
+    async def finish(self, out: BatchOutput) -> None:
+        """Score the batch with the shadow model and add its verdict to the
+        feedback records (``shadow``: version, score, the action the rules would
+        have taken with it) plus a ``shadow`` monitoring record.
+
+        Called by the agent after the decisions are handed to the producer, so
+        the shadow never delays or changes a decision. It runs on its own
+        thread, scores only, under the model budget; a shadow that fails or
+        runs late only leaves the records without it, and while a late one is
+        still running the following batches skip the shadow (counted in
+        ``shadow_skipped``) rather than queue behind it.
+        """
+        work, out.shadow = out.shadow, None
+        if work is None:
+            return
+        try:
+            await self._shadow(out, work)
+        except Exception:  # NOTE: the agent retries emit() on errors: this must never raise
+            log.exception("shadow model %s: batch left without shadow scores", work.model.version)
+
+    async def _shadow(self, out: BatchOutput, work: _ShadowWork) -> None:
+        loop = asyncio.get_running_loop()
+        if self._shadow_running is not None and not self._shadow_running.done():
+            self.shadow_skipped += 1
+            return
+        started = time.perf_counter()
+        try:
+            future = loop.run_in_executor(self._shadow_thread, _predict_scores, work.model, work.matrix)
+            self._shadow_running = future
+            # shield: a timeout stops the wait, not the thread; the future tells when it is free again
+            scores = await asyncio.wait_for(asyncio.shield(future), self.model_budget_s)
+        except Exception as exc:  # timeouts included: the shadow is optional
+            log.warning("shadow model %s gave no scores for a batch (%r)", work.model.version, exc)
+            return
+        shadow_ms = round((time.perf_counter() - started) * 1000, 3)
+        actions: Counter[str] = Counter()
+        for i, (tx, tally) in enumerate(zip(work.txs, work.tallies)):
+            score = float(scores[i])
+            doc = work.docs[i]
+            action = evaluate_rules(self.rules, tx, score, tally).action
+            actions[f"{doc['decision']['action']}->{action}"] += 1
+            doc["shadow"] = {"model_version": work.model.version, "fraud_score": round(score, 6), "action": action}
+            key, _ = out.feedback[work.feedback_at[i]]
+            out.feedback[work.feedback_at[i]] = (key, orjson.dumps(doc))
+        hist = np.histogram(scores, SCORE_BINS)[0].tolist()
+        out.extra_monitoring.append(orjson.dumps({
+            "kind": "shadow",
+            "at": self.wall_clock(),
+            "model_version": self.model.version if self.model else None,
+            "shadow_version": work.model.version,
+            "rows": len(work.txs),
+            "shadow_ms": shadow_ms,
+            "shadow_skipped_batches": self.shadow_skipped,
+            "served_to_shadow_actions": dict(actions),
+            "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+        }))  # fmt: skip
+
+    async def _admit(
+        self,
+        fresh: list[tuple[Inbound, Transaction]],
+        followers: list[tuple[Inbound, Transaction, int]],
+        auths: dict[int, AuthResult],
+        out: BatchOutput,
+        now: float,
+        stats: Counter[str],
+    ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
+        assert self.admission is not None
+        verdicts, unavailable = await self.admission.admit(
+            [(auths[id(msg)], f"{msg.partition}:{msg.offset}", tx.transaction_id, tx.user_id) for msg, tx in fresh]
+        )
+        for name in unavailable:
+            stats[f"{name}_unavailable"] += 1
+        kept: list[tuple[Inbound, Transaction]] = []
+        moved: dict[int, int] = {}
+        for i, ((msg, tx), verdict) in enumerate(zip(fresh, verdicts)):
+            if verdict is None:
+                moved[i] = len(kept)
+                kept.append((msg, tx))
+            else:
+                self._reject(out, msg, verdict, now)
+                stats["rejected"] += 1
+                stats[f"rejected_{verdict.code}"] += 1
+        still: list[tuple[Inbound, Transaction, int]] = []
+        for msg, tx, leader in followers:
+            if leader in moved:
+                still.append((msg, tx, moved[leader]))
+            else:  # its first copy was refused: so is this one
+                self._reject(out, msg, verdicts[leader] or Rejection("internal_error", None, "lost leader"), now)
+                stats["rejected"] += 1
+        return kept, still
+
+    def _tally(self, merchant_id: str) -> MerchantTally | None:
+        try:
+            return self.merchant_tally(merchant_id)
+        except Exception:  # a table read must never cost a decision
+            log.exception("reading the merchant tally failed")
+            return None
+
+    async def _answer_from_cache(
+        self,
+        valid: list[tuple[Inbound, Transaction]],
+        stats: Counter[str],
+    ) -> tuple[
+        list[tuple[Inbound, Transaction]],
+        list[tuple[Inbound, Transaction, int]],
+        list[tuple[Inbound, Transaction, dict[str, Any]]],
+        set[str],
+    ]:
+        """Split into the transactions to score, the in-batch resends (with the
+        index of the copy they follow) and the cache hits; plus the ids the
+        cache could not check (their decisions are provisional)."""
+        if not valid:
+            return [], [], [], set()
+        try:
+            hits = await self.cache.get_many([tx for _, tx in valid])
+        except Exception as exc:
+            log.warning("decision cache unavailable (%r): decisions are provisional", exc)
+            hits = [UNCHECKED] * len(valid)
+        unchecked = {tx.transaction_id for (_, tx), hit in zip(valid, hits) if hit is UNCHECKED}
+        hits = [None if hit is UNCHECKED else hit for hit in hits]
+        fresh: list[tuple[Inbound, Transaction]] = []
+        followers: list[tuple[Inbound, Transaction, int]] = []
+        answered: list[tuple[Inbound, Transaction, dict[str, Any]]] = []
+        first_in_batch: dict[str, int] = {}
+        for (msg, tx), hit in zip(valid, hits):
+            if hit is not None:
+                answered.append((msg, tx, hit))
+                stats["cached"] += 1
+                continue
+            keys = (tx.transaction_id, content_hash(tx))
+            leader = next((first_in_batch[k] for k in keys if k in first_in_batch), None)
+            if leader is not None:
+                followers.append((msg, tx, leader))
+                continue
+            for k in keys:
+                first_in_batch[k] = len(fresh)
+            fresh.append((msg, tx))
+        return fresh, followers, answered, unchecked
+
+    def _emit_cached(
+        self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock
+    ) -> None:
+        record = dict(hit)
+        record.update(
+            transaction_id=tx.transaction_id,
+            cached=True,
+            correlation_id=msg.correlation_id,
+            latency_ms=self._latency(msg, clock, self.wall_clock()),
+        )
+        out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
+        out.outcomes[(str(record.get("action")), True)] += 1
+
+    async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
+        assert self.model is not None
+        loop = asyncio.get_running_loop()
+        # Reasons for the rows the rules will not approve on score alone; an
+        # approval is explained by its score under the review threshold.
+        explain_above = self.rules.review_threshold
+        future = loop.run_in_executor(self._model_thread, self.model.predict, matrix, explain_above)
+        try:
+            return await asyncio.wait_for(future, self.model_budget_s), None
+        except asyncio.TimeoutError:
+            log.warning("ensemble missed its %.0f ms budget; batch decided by rules", self.model_budget_s * 1000)
+            return None, f"model over its {self.model_budget_s * 1000:.0f} ms budget"
+        except Exception as exc:
+            log.exception("ensemble failed; batch decided by rules")
+            return None, f"model failed: {type(exc).__name__}"
+
+    def _latency(self, msg: Inbound, clock: _Clock, decided: float) -> dict[str, float]:
+        stages = dict(clock.ms)
+        queue = max(0.0, (clock_start_wall(clock, decided) - msg.timestamp) * 1000) if msg.timestamp else 0.0
+        stages["queue_wait"] = round(queue, 3)
+        stages["total"] = round(queue + clock.elapsed_ms(), 3)
+        return stages
+
+    def _reject(self, out: BatchOutput, msg: Inbound, why: Rejection, now: float) -> None:
+        if why.transaction_id is not None:
+            decision = Decision(
+                transaction_id=why.transaction_id,
+                user_id=why.user_id,
+                fraud_score=0.0,
+                action="reject",
+                explanation=[f"{why.code}: {why.reason}"],
+                model_version=None,
+                rules_version=self.rules.version,
+                correlation_id=msg.correlation_id,
+                decided_at=now,
+                error=why.to_dict(),
+            )
+            out.add("decisions", msg, why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
+            out.outcomes[("reject", False)] += 1
+        out.add(
+            "dead_letters",
+            msg,
+            why.transaction_id.encode() if why.transaction_id else None,
+            orjson.dumps(
+                {
+                    "error": why.to_dict(),
+                    "transaction_id": why.transaction_id,
+                    **self._kept_bytes(msg),
+                    "partition": msg.partition,
+                    "offset": msg.offset,
+                    "rejected_at": now,
+                }
+            ),
+        )
+
+    def _kept_bytes(self, msg: Inbound) -> dict[str, Any]:
+        """The original value and headers for the dead letter, whole when they
+        are within the message limit. NOTE: a larger value is kept as a prefix
+        plus its size and sha256: its base64 could exceed the producer's request
+        limit, the dead letter could not be produced, and the worker would stop
+        on that record again after every restart. The record itself stays in
+        ``transactions`` at the partition and offset given."""
+        value = msg.value
+        kept: dict[str, Any] = {"value_bytes": len(value)}
+        if len(value) > self.limits.max_message_bytes:
+            kept["value_sha256"] = hashlib.sha256(value).hexdigest()
+            kept["value_truncated"] = True
+            value = value[:DLQ_PREFIX_BYTES]
+        kept["value_b64"] = base64.b64encode(value).decode()
+        kept["headers"] = {
+            k[:MAX_HEADER_NAME]: base64.b64encode(v[:DLQ_PREFIX_BYTES]).decode()
+            for k, v in list(msg.headers.items())[:MAX_DLQ_HEADERS]
+        }
+        return kept
+
+    def _reject_all(self, batch: Sequence[Inbound], exc: Exception) -> BatchOutput:
+        out = BatchOutput()
+        now = self.wall_clock()
+        for msg in batch:
+            checked = validate(msg.value, now, self.limits)
+            txid = checked.transaction_id if not isinstance(checked, Rejection) else checked.transaction_id
+            user = checked.user_id
+            why = Rejection("internal_error", None, f"scoring failed: {type(exc).__name__}", txid, user)
+            self._reject(out, msg, why, now)
+        return out
+
+    def _feedback(
+        self,
+        tx: Transaction,
+        decision: dict[str, Any],
+        row: list[float] | None,
+        rule: str,
+        tally: MerchantTally | None,
+    ) -> dict[str, Any]:
+        """Everything needed later to judge, retrain on and backtest this
+        decision: the served vector, the transaction, the rule that decided and
+        the merchant tally the rules saw."""
+        features = None if row is None else {n: (None if math.isnan(v) else v) for n, v in zip(FEATURE_NAMES, row)}
+        return {
+            "decision": decision,
+            "transaction": {f: getattr(tx, f) for f in tx.__slots__},
+            "feature_set": FEATURE_SET_VERSION,
+            "features": features,
+            "rule": rule,
+            "merchant_tally": {"fraud": tally.fraud, "legit": tally.legit} if tally is not None else None,
+        }
+
+    def _monitoring(
+        self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None, degraded_reason: str | None
+    ) -> dict[str, Any]:
+        hist = np.histogram(scores, SCORE_BINS)[0].tolist() if scores is not None and len(scores) else []
+        return {
+            "kind": "batch",
+            "at": self.wall_clock(),
+            "model_version": self.model.version if self.model else None,
+            "rules_version": self.rules.version,
+            "shadow_version": self.shadow.version if self.shadow else None,
+            "counts": dict(stats),
+            "degraded_reason": degraded_reason,
+            "stage_ms": clock.ms,
+            "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+        }
+
+
+def _predict_scores(model: ScoringModel, matrix: np.ndarray) -> np.ndarray:
+    """Scores only: a shadow needs no explanations."""
+    return model.predict(matrix, explain_above=None).scores
+
+
+def clock_start_wall(clock: _Clock, decided_wall: float) -> float:
+    """Wall-clock time at which the batch started (for queue wait)."""
+    return decided_wall - (time.perf_counter() - clock.start)
+
+
+def _fallback_score(action: str) -> float:
+    # Degraded decisions have no model score: report what the rules concluded.
+    return {"decline": 1.0, "review": 0.5}.get(action, 0.0)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
