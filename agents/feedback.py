@@ -18,10 +18,10 @@ from typing import Any
 import faust
 import orjson
 
-from pipeline.labels import Label, parse_label
-from pipeline.quality import RedisQualityStore, quality_report, served_from_feedback
 from app.faust_app import RAW, base_app
 from app.settings import Settings
+from pipeline.labels import Label, parse_label
+from pipeline.quality import RedisQualityStore, quality_report, served_from_feedback
 
 __all__ = ["create_feedback_app", "install_feedback_loop", "quality_prefix"]
 

@@ -40,8 +40,8 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     import faust
 
-    from pipeline.scorer import BatchOutput, Inbound, Scorer
     from app.settings import Settings
+    from pipeline.scorer import BatchOutput, Inbound, Scorer
 
 __all__ = ["THROUGHPUT_WINDOW_S", "WorkerMetrics", "consumer_lag", "reason_label"]
 

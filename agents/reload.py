@@ -27,12 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.drift import DriftMonitor, load_reference
-from pipeline.rules import RuleSet, load_rules
 from app.errors import FraudPipelineError
-from pipeline.model import ScoringModel
 from models.lifecycle import shadow_version
 from models.registry import current_version, load_ensemble
+from pipeline.drift import DriftMonitor, load_reference
+from pipeline.model import ScoringModel
+from pipeline.rules import RuleSet, load_rules
 
 __all__ = ["Reloader"]
 

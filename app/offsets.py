@@ -46,9 +46,9 @@ Pure bookkeeping, no I/O: the faust glue is in :mod:`app.faust_app`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["Admitted", "PartitionProgress"]
 

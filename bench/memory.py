@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from tools.loadgen import LoadConfig, run_load
-
 from bench.run import BATCHED, DATA, SAMPLE_EVERY_S, Phase, Worker, _sampler, machine_info, prepare, services
+from tools.loadgen import LoadConfig, run_load
 
 
 def main() -> None:

@@ -846,7 +846,7 @@ class Bench:
         self.max_sustainable[variant.name] = {threshold_key(t): sustainable(mine, t) for t in THRESHOLDS_MS}
 
     def sweep(self) -> None:
-        for i, variant in enumerate(self.plan.sweep):
+        for variant in self.plan.sweep:
             if not self._afford(self._cell_s()):
                 self.truncated.append(f"sweep from {variant.name}")
                 break

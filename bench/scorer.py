@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import redis
 
+from models.registry import load_ensemble
 from pipeline.cache import RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
 from pipeline.rules import load_rules
@@ -30,7 +31,6 @@ from tools import stack
 from tools.loadgen import _population
 from tools.materialize import materialize
 from tools.simulator import LiveTransactions
-from models.registry import load_ensemble
 
 
 async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str) -> list[dict[str, Any]]:

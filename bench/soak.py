@@ -34,11 +34,19 @@ from typing import Any
 
 import numpy as np
 
-from tools.loadgen import LoadConfig, percentiles, run_load
-
 from bench.run import (
-    BATCHED, CEILING, DATA, SAMPLE_EVERY_S, Worker, _sampler, machine_info, prepare, proc_rss_mb, services,
+    BATCHED,
+    CEILING,
+    DATA,
+    SAMPLE_EVERY_S,
+    Worker,
+    _sampler,
+    machine_info,
+    prepare,
+    proc_rss_mb,
+    services,
 )  # fmt: skip
+from tools.loadgen import LoadConfig, percentiles, run_load
 
 VARIANTS = {v.name: v for v in (BATCHED, CEILING)}
 TOLERANCE = 0.15

@@ -26,9 +26,9 @@ import numpy as np
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tools import stack
 from app.transactional import PartitionBatch, TransactionalEmitter
 from bench.run import machine_info
+from tools import stack
 
 PARTITIONS = 8
 BATCH = 32

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.contract import ACTIONS, CURRENCY_TO_USD, REQUIRED_FIELDS
 from pipeline.labels import LABELS
 from pipeline.validate import ERROR_CODES, MAX_AMOUNT, MAX_ID_LEN
-from app.contract import ACTIONS, CURRENCY_TO_USD, REQUIRED_FIELDS
 
 __all__ = ["GATEWAY_ERROR_CODES", "openapi_document"]
 

@@ -40,16 +40,16 @@ import orjson
 from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
+from app.errors import ConfigError
+from app.settings import Settings
+from app.topics import ensure_topics, kafka_auth
+from gateway.openapi import openapi_document
+from gateway.replies import Outcome, Replies
+from gateway.review import ReviewQueue, ReviewReader, analyst_label
 from pipeline.auth import ClientKeys, sign
 from pipeline.labels import LABELS
 from pipeline.ratelimit import RateDecision, RedisRateLimiter
 from pipeline.validate import Limits, Rejection, validate
-from app.errors import ConfigError
-from gateway.openapi import openapi_document
-from gateway.replies import Outcome, Replies
-from gateway.review import ReviewQueue, ReviewReader, analyst_label
-from app.settings import Settings
-from app.topics import ensure_topics, kafka_auth
 
 __all__ = ["ApiKeys", "Gateway", "build_app", "run"]
 
@@ -298,7 +298,7 @@ async def round_trip(gw: Gateway, raw: bytes, transaction_id: str, user_id: str)
         send = gw.producer.send_and_wait(gw.settings.topic_transactions, raw, key=user_id.encode(), headers=headers)
         await asyncio.wait_for(send, timeout)
         outcome: Outcome = await asyncio.wait_for(asyncio.shield(reply), max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return error_response(
             504, "decision_timeout",
             f"no decision for {transaction_id} within {timeout:g} s; it may still be decided: resend the "

@@ -24,9 +24,9 @@ from typing import Any
 
 import orjson
 
-from pipeline.labels import LABELS, Label, parse_label
-from gateway.replies import TopicReader
 from app.settings import Settings
+from gateway.replies import TopicReader
+from pipeline.labels import LABELS, Label, parse_label
 
 __all__ = ["ReviewQueue", "ReviewReader", "analyst_label"]
 

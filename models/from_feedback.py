@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from models.training import TrainConfig, TrainResult, _iso, fit_and_register
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 from pipeline.labels import Label
-from models.training import TrainConfig, TrainResult, _iso, fit_and_register
 
 __all__ = ["FeedbackSet", "feedback_training_set", "train_from_feedback"]
 

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.rules import load_rules
 from app.errors import ModelError, ModelNotFound
 from models.registry import current_version, list_versions, read_manifest, set_current, verify
+from pipeline.rules import load_rules
 
 __all__ = ["history", "promote", "promote_rules", "rollback", "set_shadow", "shadow_version"]
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import xgboost as xgb
 
-from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 from app.errors import ModelIntegrityError, ModelNotFound
 from models.ensemble import Member, XGBoostEnsemble
+from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 
 __all__ = [
     "MemberArtifact",

@@ -35,10 +35,10 @@ import numpy as np
 import pandas as pd
 import xgboost as xgb
 
-from pipeline.drift import build_reference, top_features, write_reference
-from pipeline.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
 from models.evaluation import evaluate_scores, write_report
 from models.registry import MemberArtifact, new_version_name, save_version
+from pipeline.drift import build_reference, top_features, write_reference
+from pipeline.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
 
 __all__ = ["MEMBER_SPECS", "TrainConfig", "TrainResult", "fit_and_register", "train"]
 

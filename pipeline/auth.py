@@ -66,10 +66,10 @@ from typing import Any, Protocol
 
 import orjson
 
+from app.errors import ConfigError
+from app.redis_client import is_cluster_client
 from pipeline.feature_store import TTLCache
 from pipeline.validate import Rejection
-from app.redis_client import is_cluster_client
-from app.errors import ConfigError
 
 __all__ = [
     "AUTH_CODES",

@@ -23,9 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.contract import Transaction
 from pipeline.labels import Label, MerchantTally
 from pipeline.rules import RuleSet, evaluate_rules
-from app.contract import Transaction
 
 __all__ = ["BacktestResult", "backtest", "format_backtest"]
 

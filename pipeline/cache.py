@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from pipeline.feature_store import TTLCache
 from app.contract import Transaction
 from app.redis_client import is_cluster_client
+from pipeline.feature_store import TTLCache
 
 __all__ = [
     "UNCHECKED",

@@ -20,6 +20,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from app.contract import Transaction
+from app.errors import FeatureStoreError
+from app.redis_client import is_cluster_client
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
@@ -27,9 +30,6 @@ from pipeline.features import (
     UserProfile,
     velocity_from_events,
 )
-from app.contract import Transaction
-from app.errors import FeatureStoreError
-from app.redis_client import is_cluster_client
 
 __all__ = [
     "Enrichment",

@@ -39,9 +39,9 @@ from typing import Any, Literal, Protocol
 
 from redis.exceptions import NoScriptError
 
-from pipeline.validate import Rejection
 from app.errors import ConfigError
 from app.redis_client import is_cluster_client
+from pipeline.validate import Rejection
 
 __all__ = [
     "ALLOWED",

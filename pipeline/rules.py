@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.labels import MerchantTally
 from app.contract import Transaction
 from app.errors import RulesError
+from pipeline.labels import MerchantTally
 
 __all__ = ["RULE_IDS", "RuleOutcome", "RuleSet", "evaluate_rules", "load_rules", "parse_rules"]
 

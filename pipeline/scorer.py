@@ -31,18 +31,18 @@ from typing import Any
 import numpy as np
 import orjson
 
+from app.contract import Decision, Transaction
 from pipeline.admission import Admission
 from pipeline.auth import UNSIGNED, AuthResult
 from pipeline.cache import UNCHECKED, DecisionCache, content_hash
 from pipeline.decide import explain
 from pipeline.drift import DriftMonitor
 from pipeline.feature_store import Enrichment, FeatureStore
-from pipeline.labels import MerchantTally
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
+from pipeline.labels import MerchantTally
+from pipeline.model import Prediction, ScoringModel
 from pipeline.rules import RuleSet, evaluate_rules
 from pipeline.validate import Limits, Rejection, validate
-from app.contract import Decision, Transaction
-from pipeline.model import Prediction, ScoringModel
 
 __all__ = ["BatchOutput", "Inbound", "Scorer"]
 
@@ -506,7 +506,7 @@ class Scorer:
         future = loop.run_in_executor(self._model_thread, self.model.predict, matrix, explain_above)
         try:
             return await asyncio.wait_for(future, self.model_budget_s), None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("ensemble missed its %.0f ms budget; batch decided by rules", self.model_budget_s * 1000)
             return None, f"model over its {self.model_budget_s * 1000:.0f} ms budget"
         except Exception as exc:

@@ -89,7 +89,7 @@ TINY_SIM = {"n_users": 300, "n_merchants": 600, "days": 40, "seed": 11}
 
 
 @pytest.fixture(scope="session")
-def sim_frame() -> "pd.DataFrame":
+def sim_frame() -> pd.DataFrame:
     from datetime import UTC, datetime
 
     from tools.simulator import SimulationConfig, simulate
@@ -99,7 +99,7 @@ def sim_frame() -> "pd.DataFrame":
 
 
 @pytest.fixture(scope="session")
-def trained_registry(sim_frame: "pd.DataFrame", tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained_registry(sim_frame: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A registry holding one version trained on :func:`sim_frame` (fewer rounds)."""
     from models.training import TrainConfig, train
 

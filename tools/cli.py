@@ -58,9 +58,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_materialize(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from tools.materialize import materialize
     from app.redis_client import sync_client
     from app.settings import get_settings
+    from tools.materialize import materialize
 
     settings = get_settings()
     client = sync_client(settings)
@@ -100,10 +100,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_from_feedback(args: argparse.Namespace) -> int:
-    from tools.replay import latest_labels, read_feedback, read_labels
     from app.settings import get_settings
     from models.from_feedback import feedback_training_set, train_from_feedback
     from models.training import TrainConfig, format_metrics
+    from tools.replay import latest_labels, read_feedback, read_labels
 
     settings = get_settings()
     feedback = read_feedback(settings)
@@ -154,9 +154,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
+    from app.settings import get_settings
     from pipeline.backtest import backtest, format_backtest
     from pipeline.rules import load_rules
-    from app.settings import get_settings
 
     settings = get_settings()
     if args.action == "promote":
@@ -177,9 +177,9 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pipeline.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
     from agents.feedback import quality_prefix
     from app.settings import get_settings
+    from pipeline.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
 
     settings = get_settings()
     if args.replay:
@@ -256,9 +256,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.rest import run
     from app.settings import Settings
     from app.topics import ensure_topics
+    from gateway.rest import run
 
     settings = Settings()
     try:
@@ -313,8 +313,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from tools.autoscale import advise, measure, measure_broker
     from app.settings import get_settings
+    from tools.autoscale import advise, measure, measure_broker
 
     if args.from_broker:
         current = args.current_workers if args.current_workers is not None else 1

@@ -26,8 +26,8 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from datetime import UTC, datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +245,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
         send_s = time.monotonic() - t_start
         try:
             await asyncio.wait_for(consumer_task, cfg.drain_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         reporter.cancel()
         snapshot("drained")

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from pipeline.labels import Label, parse_label
 from app.settings import Settings
 from app.topics import kafka_auth, partitions_of
+from pipeline.labels import Label, parse_label
 
 __all__ = ["read_feedback", "read_labels", "read_topic"]
 

@@ -13,9 +13,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from tools.autoscale import broker_offsets
 from app.settings import Settings
 from app.topics import ensure_topics
+from tools.autoscale import broker_offsets
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

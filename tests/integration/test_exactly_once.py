@@ -146,9 +146,9 @@ def test_a_transactional_payment_client_is_decided_exactly_once_without_stalls(
     them at once — checked in the log, not guessed — decides every committed
     transaction once, and never decides an aborted one."""
     import redis
+    from workers import Collector, Topics, TxFactory, Workers, tx_msg, worker_env
 
     from tools.materialize import materialize
-    from workers import Collector, Topics, TxFactory, Workers, tx_msg, worker_env
 
     client = redis.Redis.from_url(redis_url)
     try:

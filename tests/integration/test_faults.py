@@ -27,9 +27,9 @@ import hashlib
 import json
 import math
 import os
-import signal
 import random
 import secrets
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -44,11 +44,6 @@ import redis
 from aiokafka.partitioner import DefaultPartitioner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from pipeline.auth import sign
-from tools import stack
-from tools.materialize import materialize
-
 from workers import (  # tests/integration is on sys.path (pytest rootdir-relative import)
     Collector,
     LostMessages,
@@ -67,6 +62,10 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
     tx_msg,
     worker_env,
 )
+
+from pipeline.auth import sign
+from tools import stack
+from tools.materialize import materialize
 
 SOAK = os.environ.get("FRAUD_SOAK", "").strip() not in ("", "0", "false")
 

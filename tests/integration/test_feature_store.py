@@ -12,6 +12,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from app.contract import Transaction
 from pipeline.feature_store import RedisFeatureStore, profile_key, velocity_key
 from pipeline.features import (
     DAY_S,
@@ -23,7 +24,6 @@ from pipeline.features import (
     prepare_history,
     training_matrix,
 )
-from app.contract import Transaction
 from tools.materialize import META_KEY, materialize
 
 pytestmark = pytest.mark.integration
@@ -74,8 +74,8 @@ def test_served_features_equal_training_features(
     materialize(sim_frame[sim_frame["timestamp"] < pd.Timestamp(day, unit="s", tz="UTC")],
                 redis_client, as_of=day, progress=False)
     # Merchant risk with labels: the materialized as-of-day snapshot is what training uses too.
-    from pipeline.features import build_merchant_risk
     from pipeline.feature_store import merchant_key
+    from pipeline.features import build_merchant_risk
 
     for merchant, risk in build_merchant_risk(history, day).items():
         redis_client.hset(merchant_key(merchant), mapping=risk.to_mapping())

@@ -37,10 +37,6 @@ import orjson
 import pandas as pd
 import pytest
 import redis
-
-from tools.materialize import materialize
-from tools.replay import read_topic
-from models.registry import current_version, read_manifest
 from workers import (
     REPO,
     Collector,
@@ -55,6 +51,10 @@ from workers import (
     tx_msg,
     worker_env,
 )
+
+from models.registry import current_version, read_manifest
+from tools.materialize import materialize
+from tools.replay import read_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -32,13 +32,13 @@ import pandas as pd
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from workers import REPO, RULES, Topics, TxFactory, Workers, worker_env
 
+from app.contract import ACTIONS
+from app.topics import partitions_of
 from pipeline.labels import parse_label
 from tools import stack
-from app.contract import ACTIONS
 from tools.materialize import materialize
-from app.topics import partitions_of
-from workers import REPO, RULES, Topics, TxFactory, Workers, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

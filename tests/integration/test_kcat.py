@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from workers import Topics, Workers, worker_env
 
 from tools.materialize import materialize
-from workers import Topics, Workers, worker_env
 
 pytestmark = [
     pytest.mark.integration,

@@ -15,9 +15,8 @@ import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.auth import sign
-from tools.autoscale import advise, measure
 from models.registry import current_version
+from pipeline.auth import sign
 from tests.integration.workers import (
     Collector,
     Msg,
@@ -29,6 +28,7 @@ from tests.integration.workers import (
     tx_msg,
     worker_env,
 )
+from tools.autoscale import advise, measure
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

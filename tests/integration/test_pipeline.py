@@ -31,10 +31,10 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
+from workers import Topics, TxFactory  # tests/integration is on sys.path, as test_faults imports it
 
 from tools import stack
 from tools.materialize import materialize
-from workers import Topics, TxFactory  # tests/integration is on sys.path, as test_faults imports it
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -411,7 +411,7 @@ def test_a_thousand_mixed_transactions_get_exactly_one_outcome_each(pipeline: Pi
     elapsed = time.monotonic() - started
 
     problems = []
-    for kind, m, doc in entries:
+    for kind, m, _doc in entries:
         ds, dl = out.decisions_for(m.correlation), out.dead_letters_for(m.correlation)
         if kind in ("valid", "resend"):
             if len(ds) != 1 or dl:

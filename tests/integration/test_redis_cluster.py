@@ -20,18 +20,18 @@ import pandas as pd
 import pytest
 import redis
 
+from agents.score import Runtime
+from app.redis_client import async_client, sync_client
+from app.settings import Settings
 from pipeline.auth import RedisReplayGuard
 from pipeline.cache import RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
 from pipeline.ratelimit import InMemoryRateLimiter, RedisRateLimiter
 from pipeline.scorer import Inbound
 from pipeline.validate import validate
-from tools import stack
-from agents.score import Runtime
-from tools.materialize import materialize
-from app.redis_client import async_client, sync_client
-from app.settings import Settings
 from tests.integration.workers import RULES, TxFactory
+from tools import stack
+from tools.materialize import materialize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

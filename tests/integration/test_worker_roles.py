@@ -15,9 +15,9 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
+from workers import REPO, Collector, Topics, TxFactory, Workers, make_producer, send_all, tx_msg, worker_env
 
 from tools import stack
-from workers import REPO, Collector, Topics, TxFactory, Workers, make_producer, send_all, tx_msg, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -32,9 +32,9 @@ import orjson
 import pandas as pd
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from tools import stack
 from app.settings import Settings
 from app.topics import ensure_topics, topic_partitions
+from tools import stack
 
 REPO = Path(__file__).resolve().parents[2]
 

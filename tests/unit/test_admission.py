@@ -13,10 +13,10 @@ from pipeline.admission import Admission
 from pipeline.auth import InMemoryReplayGuard, sign
 from pipeline.cache import InMemoryDecisionCache
 from pipeline.feature_store import InMemoryFeatureStore
+from pipeline.model import Prediction
 from pipeline.ratelimit import InMemoryRateLimiter
 from pipeline.rules import parse_rules
 from pipeline.scorer import Inbound, Scorer
-from pipeline.model import Prediction
 
 KEY = bytes(range(32))
 RULES = parse_rules(

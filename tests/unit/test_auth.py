@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from app.errors import ConfigError
 from pipeline.auth import (
     AUTH_CODES,
     UNSIGNED,
@@ -24,7 +25,6 @@ from pipeline.auth import (
     verify,
 )
 from pipeline.validate import Rejection
-from app.errors import ConfigError
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))

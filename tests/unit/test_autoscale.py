@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tools.autoscale import WorkerScrape, advise, combine, parse_scrape
 from app.errors import ConfigError
+from tools.autoscale import WorkerScrape, advise, combine, parse_scrape
 
 
 def test_workers_cover_arrival_plus_draining_the_lag() -> None:

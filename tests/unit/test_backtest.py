@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.contract import Transaction
 from pipeline.backtest import backtest, format_backtest
 from pipeline.labels import Label
 from pipeline.rules import evaluate_rules, parse_rules
-from app.contract import Transaction
 
 T0 = 1_790_000_000.0
 BASE = {

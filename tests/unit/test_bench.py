@@ -8,28 +8,28 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tools.loadgen import LoadConfig, percentiles
 from bench.run import (
     BATCHED,
     CEILING,
     FULL_PLAN,
     QUICK_PLAN,
-    UNBATCHED,
     THRESHOLDS_MS,
+    UNBATCHED,
     bracket,
     cpu_pct_between,
     format_report,
     next_probe,
-    saturated_tps,
     parse_stat_cpu_s,
     parse_status_rss_mb,
     passes,
     ratios,
     run_record,
+    saturated_tps,
     sustainable,
     threshold_key,
     validate_results,
 )
+from tools.loadgen import LoadConfig, percentiles
 
 # --- synthetic inputs ------------------------------------------------------------------
 

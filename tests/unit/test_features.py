@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from app.contract import Transaction
 from pipeline.features import (
     DAY_S,
     FEATURE_NAMES,
@@ -21,7 +22,6 @@ from pipeline.features import (
     training_matrix,
     velocity_from_events,
 )
-from app.contract import Transaction
 
 D0 = 1_764_547_200.0  # 2025-12-01T00:00:00Z, a Monday
 F = {name: i for i, name in enumerate(FEATURE_NAMES)}

@@ -10,12 +10,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.drift import load_reference
-from pipeline.features import DAY_S, FEATURE_NAMES, FEATURE_SET_VERSION, prepare_history, training_matrix
-from pipeline.labels import Label
 from models.from_feedback import feedback_training_set, train_from_feedback
 from models.registry import current_version, load_ensemble, read_manifest
 from models.training import TrainConfig
+from pipeline.drift import load_reference
+from pipeline.features import DAY_S, FEATURE_NAMES, FEATURE_SET_VERSION, prepare_history, training_matrix
+from pipeline.labels import Label
 
 
 def served_records(frame: pd.DataFrame, days: int = 8) -> tuple[list[dict[str, Any]], dict[str, Label], np.ndarray]:

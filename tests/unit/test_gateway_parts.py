@@ -10,15 +10,15 @@ from typing import Any
 import orjson
 import pytest
 
+from app.contract import ACTIONS, OPTIONAL_FIELDS, REQUIRED_FIELDS
+from app.settings import Settings
+from gateway.openapi import openapi_document
+from gateway.replies import Replies
+from gateway.rest import ApiKeys, Signer, retry_after_header
+from gateway.review import REVIEW_MARK, ReviewQueue, analyst_label
 from pipeline.auth import verify
 from pipeline.labels import parse_label
 from pipeline.validate import ERROR_CODES
-from app.contract import ACTIONS, OPTIONAL_FIELDS, REQUIRED_FIELDS
-from gateway.rest import ApiKeys, Signer, retry_after_header
-from gateway.openapi import openapi_document
-from gateway.replies import Replies
-from gateway.review import REVIEW_MARK, ReviewQueue, analyst_label
-from app.settings import Settings
 
 KEY = bytes(range(32))
 

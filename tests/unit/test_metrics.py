@@ -13,17 +13,17 @@ import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agents.metrics import WorkerMetrics, consumer_lag, reason_label
+from app.settings import Settings
 from pipeline.admission import Admission
 from pipeline.auth import InMemoryReplayGuard
 from pipeline.cache import InMemoryDecisionCache
 from pipeline.feature_store import InMemoryFeatureStore
 from pipeline.features import FEATURE_NAMES
+from pipeline.model import Prediction
 from pipeline.ratelimit import InMemoryRateLimiter
 from pipeline.rules import parse_rules
 from pipeline.scorer import Inbound, Scorer
-from agents.metrics import WorkerMetrics, consumer_lag, reason_label
-from app.settings import Settings
-from pipeline.model import Prediction
 
 RULES = parse_rules(
     {

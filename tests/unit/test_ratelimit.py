@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from app.errors import ConfigError
 from pipeline.ratelimit import (
     ALLOWED,
     InMemoryRateLimiter,
@@ -15,7 +16,6 @@ from pipeline.ratelimit import (
     client_bucket_key,
     user_bucket_key,
 )
-from app.errors import ConfigError
 
 WIDE = 1000.0  # a limit no test reaches
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from pipeline.cache import content_hash, decision_keys
-from pipeline.feature_store import merchant_key, profile_key, velocity_key
-from pipeline.ratelimit import _plan, client_bucket_key, slot_groups, user_bucket_key, Limit
 from app.contract import Transaction
 from app.redis_client import is_cluster, plain_url
 from app.settings import Settings
+from pipeline.cache import content_hash, decision_keys
+from pipeline.feature_store import merchant_key, profile_key, velocity_key
+from pipeline.ratelimit import Limit, _plan, client_bucket_key, slot_groups, user_bucket_key
 
 
 def _slot(key: str) -> int:

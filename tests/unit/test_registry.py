@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.features import FEATURE_NAMES
 from app.errors import ModelIntegrityError, ModelNotFound
 from models.registry import current_version, load_ensemble, read_manifest
+from pipeline.features import FEATURE_NAMES
 
 
 def copy_registry(src: Path, dst: Path) -> Path:
@@ -90,7 +90,7 @@ def test_an_empty_registry_says_how_to_fix_it(tmp_path: Path) -> None:
 
 
 def test_training_without_optional_columns_uses_the_features_it_can_compute(
-    sim_frame: "object", tmp_path: Path
+    sim_frame: object, tmp_path: Path
 ) -> None:
     from models.training import TrainConfig, train
 

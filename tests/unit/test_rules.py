@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.rules import evaluate_rules, load_rules, parse_rules
 from app.contract import Transaction
 from app.errors import RulesError
+from pipeline.rules import evaluate_rules, load_rules, parse_rules
 
 RULES = {
     "version": "r1",

@@ -21,6 +21,7 @@ import orjson
 import pandas as pd
 import pytest
 
+from app.contract import Transaction
 from pipeline.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
 from pipeline.feature_store import Enrichment, InMemoryFeatureStore
 from pipeline.features import (
@@ -31,11 +32,10 @@ from pipeline.features import (
     build_user_profiles,
     prepare_history,
 )
+from pipeline.model import Prediction
 from pipeline.rules import parse_rules
 from pipeline.scorer import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits, validate
-from app.contract import Transaction
-from pipeline.model import Prediction
 
 BLOCKED_DEVICE = "d-blocked-unit"
 RULES = parse_rules(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pipeline.validate import ERROR_CODES, Limits, Rejection, validate
 from app.contract import Transaction
+from pipeline.validate import ERROR_CODES, Limits, Rejection, validate
 
 NOW = 1_764_633_600.0  # 2025-12-02T00:00:00Z
 STAMP = "2025-12-01T23:59:00Z"

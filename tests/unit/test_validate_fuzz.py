@@ -6,8 +6,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.validate import ERROR_CODES, Limits, Rejection, validate
 from app.contract import Transaction
+from pipeline.validate import ERROR_CODES, Limits, Rejection, validate
 
 NOW = 1_800_000_000.0
 LIMITS = Limits(max_message_bytes=64 * 1024)
