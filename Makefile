@@ -19,7 +19,7 @@ SOAK_VARIANT ?= ceiling
 # What only the tests need (the demo does not): docker-compose validates
 # docker-compose.yml, kcat runs the README's plain-client example, Chromium
 # drives the review page's browser test.
-.PHONY: setup test-tools demo test soak stack-up stack-down stack-status simulate train materialize clean
+.PHONY: setup test-tools lint demo test soak stack-up stack-down stack-status simulate train materialize clean
 
 KAFKA_LIB := .kafka/lib
 KAFKA_STAMP := $(KAFKA_LIB)/.fetched
@@ -80,12 +80,20 @@ materialize: setup $(DATA)
 
 # The main job: stack up, train if there is no model, materialize, one worker,
 # load at DEMO_RATE for DEMO_DURATION seconds, then stop everything.
+# Static checks, run first by `make test`: style and errors (ruff), types (mypy,
+# strict on app/, pipeline/, models/), and the layer contract (import-linter:
+# imports only run down bench > tools > agents | gateway > models > pipeline > app).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
+
 demo: setup
 	@bash scripts/demo.sh $(DEMO_RATE) $(DEMO_DURATION)
 
 # Unit tests, then integration tests against a real broker and Redis that the
 # fixtures start (or KAFKA_BOOTSTRAP / REDIS_URL when set) and stop.
-test: setup test-tools
+test: setup test-tools lint
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
 	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider
 

@@ -129,7 +129,7 @@ class Decision:
     latency_ms: dict[str, float] = field(default_factory=dict)
     correlation_id: str | None = None
     decided_at: float = 0.0
-    error: dict[str, str] | None = None
+    error: dict[str, str | None] | None = None
     provisional: bool = False
     """The decision cache could not be read: maybe a resend of a payment decided
     before, so this decision never approves (``approve`` became ``review``)."""

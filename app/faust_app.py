@@ -24,7 +24,7 @@ RAW: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "key_serializer":
 
 
 def _credentials(settings: Settings) -> Any:
-    auth = kafka_auth(settings)
+    auth: dict[str, Any] = dict(kafka_auth(settings))
     if "sasl_mechanism" in auth:
         return faust.SASLCredentials(
             username=auth["sasl_plain_username"],

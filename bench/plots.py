@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from bench.run import THRESHOLDS_MS, generator_kept_up  # noqa: E402
+from bench.criteria import THRESHOLDS_MS, generator_kept_up  # noqa: E402
 
 __all__ = ["knobs_plot", "plot_all"]
 

@@ -47,6 +47,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.criteria import GENERATOR_LAG_LIMIT_MS, THRESHOLDS_MS, generator_kept_up
+
 __all__ = [
     "FULL_PLAN",
     "QUICK_PLAN",
@@ -75,12 +77,7 @@ RESULTS_DIR = REPO / "bench" / "results"
 DATA = REPO / "data" / "transactions.parquet"
 SCHEMA = "fraud-pipeline-bench/1"
 
-THRESHOLDS_MS = (200.0, 50.0)
 MAX_DEGRADED_FRACTION = 0.01
-#: The generator sends on a Poisson schedule; a send later than this (p99) means
-#: it could not keep the schedule, so the load was not what the run claims.
-#: (The count sent is the schedule's, Poisson noise included: not a test of it.)
-GENERATOR_LAG_LIMIT_MS = 100.0
 #: A worker that never prints "Ready" or never answers the probe is given up on.
 READY_TIMEOUT_S = 90.0
 PROBE_TIMEOUT_S = 45.0
@@ -302,11 +299,6 @@ def passes(run: Mapping[str, Any], threshold_ms: float) -> bool:
     if not generator_kept_up(run):
         return False  # the load generator, not the worker, shaped this run
     return bool(p99 < threshold_ms)
-
-
-def generator_kept_up(run: Mapping[str, Any]) -> bool:
-    lag = run.get("generator_lag_p99_ms")
-    return lag is None or lag <= GENERATOR_LAG_LIMIT_MS
 
 
 def bracket(outcomes: Mapping[float, bool]) -> tuple[float, float | None]:

@@ -105,7 +105,7 @@ class XGBoostEnsemble:
 
 
 def _sigmoid(margin: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-margin))
+    return np.asarray(1.0 / (1.0 + np.exp(-margin)), dtype=np.float64)
 
 
 def _top_reasons(contributions: np.ndarray) -> list[list[tuple[str, float]]]:

@@ -48,6 +48,9 @@ def feedback_training_set(feedback: Iterable[Mapping[str, Any]], labels: Mapping
     for doc in feedback:
         decision = doc.get("decision") or {}
         txid = decision.get("transaction_id")
+        if not isinstance(txid, str):
+            skipped["unlabelled"] += 1  # nothing to join a label on
+            continue
         if txid in seen:
             skipped["duplicate"] += 1
             continue

@@ -96,7 +96,7 @@ def save_version(
                 "params": member.params,
             }
         )
-    files = [folder / e["file"] for e in entries] + [Path(p) for p in extra_files]
+    files = [folder / str(e["file"]) for e in entries] + [Path(p) for p in extra_files]
     manifest = {
         "version": version,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

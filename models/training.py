@@ -148,7 +148,7 @@ def fit_and_register(
         rounds = max(10, int(spec["rounds"] * cfg.rounds_scale))
         booster = xgb.train(params, dtrain, num_boost_round=rounds)
         gains = booster.get_score(importance_type="total_gain")
-        total_gain = sum(gains.values()) or 1.0
+        total_gain = math.fsum(float(g) for g in gains.values() if isinstance(g, float)) or 1.0  # floats for total_gain
         for name, gain in gains.items():  # each member's say, as in the ensemble
             importance[name] = importance.get(name, 0.0) + spec["weight"] * gain / total_gain
         booster.feature_names = None  # the manifest holds names; serving passes bare matrices
@@ -204,7 +204,7 @@ def suggest_thresholds(labels: np.ndarray, scores: np.ndarray) -> dict[str, floa
 
 
 def _iso(ts: float) -> str:
-    return pd.Timestamp(ts, unit="s", tz="UTC").isoformat()
+    return str(pd.Timestamp(ts, unit="s", tz="UTC").isoformat())
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:

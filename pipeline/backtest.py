@@ -19,7 +19,7 @@ known, split by it. In words:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,15 +52,18 @@ class BacktestResult:
     labelled_served: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def outcome(self, name: str) -> int:
-        flagged = lambda a: a in FLAGGING  # noqa: E731
-        pick = {
+        def flagged(action: str) -> bool:
+            return action in FLAGGING
+
+        picks: dict[str, tuple[Callable[[str, str], bool], str]] = {
             "caught_fraud": (lambda s, p: not flagged(s) and flagged(p), "fraud"),
             "new_false_positives": (lambda s, p: not flagged(s) and flagged(p), "legit"),
             "fraud_let_through": (lambda s, p: flagged(s) and not flagged(p), "fraud"),
             "false_positives_removed": (lambda s, p: flagged(s) and not flagged(p), "legit"),
-        }[name]
-        test, label = pick
-        return sum(n for (s, p, lb), n in self.flip_labels.items() if lb == label and test(s, p))
+        }
+        test, label = picks[name]
+        counts = [n for (s, p, lb), n in self.flip_labels.items() if lb == label and test(s, p)]
+        return sum(counts, 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,9 +140,10 @@ def format_backtest(result: BacktestResult) -> str:
     lines += ["", "Flips (served -> proposed): count, then labelled fraud / legit / unlabelled"]
     if not result.flips:
         lines.append("  none: the proposal decides every replayed transaction as served")
-    for (s, p), n in sorted(result.flips.items(), key=lambda kv: (-kv[1], kv[0])):
-        fraud, legit = result.flip_labels[(s, p, "fraud")], result.flip_labels[(s, p, "legit")]
-        lines.append(f"  {s:>8} -> {p:<8} {n:>6}   fraud {fraud:>4}  legit {legit:>4}  unlabelled {n - fraud - legit:>5}")
+    for (served, proposed), n in sorted(result.flips.items(), key=lambda kv: (-kv[1], kv[0])):
+        fraud = result.flip_labels[(served, proposed, "fraud")]
+        legit = result.flip_labels[(served, proposed, "legit")]
+        lines.append(f"  {served:>8} -> {proposed:<8} {n:>6}   fraud {fraud:>4}  legit {legit:>4}  unlabelled {n - fraud - legit:>5}")
     lines += [
         "",
         "Labelled outcomes of the flips:",

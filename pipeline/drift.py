@@ -118,14 +118,14 @@ class DriftMonitor:
         self.rows += len(scores)
         if self.rows < self.window_rows:
             return None
-        values = {n: round(psi(r["shares"], self.counts[n]), 4) for n, r in self.reference.items()}
-        drifting = sorted(n for n, v in values.items() if v > self.warn_psi or math.isnan(v))
-        record = {"kind": "drift", "model_version": self.model_version, "rows": self.rows, "psi": values,
+        psis = {n: round(psi(r["shares"], list(self.counts[n])), 4) for n, r in self.reference.items()}
+        drifting = sorted(n for n, v in psis.items() if v > self.warn_psi or math.isnan(v))
+        record = {"kind": "drift", "model_version": self.model_version, "rows": self.rows, "psi": psis,
                   "warn_psi": self.warn_psi, "drifting": drifting, "warning": bool(drifting)}  # fmt: skip
         if drifting:
             log.warning(
                 "drift: PSI above %.2f for %s over the last %d rows (model %s)",
-                self.warn_psi, ", ".join(f"{n}={values[n]}" for n in drifting), self.rows, self.model_version,
+                self.warn_psi, ", ".join(f"{n}={psis[n]}" for n in drifting), self.rows, self.model_version,
             )
         self._reset()
         return record
