@@ -13,8 +13,11 @@ WORKDIR /srv
 # docs, data) does not invalidate the install layer.
 COPY pyproject.toml README.md ./
 COPY app ./app
-COPY agents ./agents
+COPY pipeline ./pipeline
 COPY models ./models
+COPY agents ./agents
+COPY gateway ./gateway
+COPY tools ./tools
 # The worker runs as a non-root user; Faust keeps table state under .stack/faust
 # (settings.data_dir, relative to /srv), the one place it writes.
 RUN pip install . \

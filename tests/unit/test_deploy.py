@@ -154,3 +154,13 @@ def test_keda_matches_the_settings(compose: dict[str, Any]) -> None:
     meta = kafka["metadata"]
     assert meta["consumerGroup"] == settings.app_id and meta["topic"] == settings.topic_transactions
     assert meta["allowIdleConsumers"] == "false" and int(meta["lagThreshold"]) > 0
+
+
+def test_the_image_copies_every_package_the_project_installs() -> None:
+    """A package left out of the image installs nothing and fails only at import, in production."""
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {name.rstrip("*") for name in include}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (REPO / "Dockerfile").read_text(), re.M))
+    assert packages <= copied, f"not copied into the image: {sorted(packages - copied)}"
