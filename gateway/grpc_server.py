@@ -28,10 +28,10 @@ reflection (``grpcurl`` lists and describes the services without the .proto).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -45,6 +45,7 @@ from gateway.core import Decided, Refusal, RefusalKind, admit, decide
 from gateway.grpc_codec import decision_message, transaction_json
 from gateway.grpc_gen.fraud.v1 import fraud_pb2, fraud_pb2_grpc
 from gateway.rest import Gateway
+from pipeline.validate import MAX_ID_LEN
 
 __all__ = [
     "DOMAIN",
@@ -150,14 +151,16 @@ class FraudScoring(fraud_pb2_grpc.FraudScoringServicer):
 
     async def _score(self, api_client: str, message: fraud_pb2.Transaction,
                      time_remaining: Callable[[], float | None]) -> Decided | Refusal:  # fmt: skip
+        # Unlike a REST body that did not parse, a message always has its id readable.
+        txid = message.transaction_id if message.HasField("transaction_id") else None
+        txid = txid if txid and len(txid) <= MAX_ID_LEN else None
         body = transaction_json(message)
         if isinstance(body, tuple):
             field, reason = body
-            txid = message.transaction_id if message.HasField("transaction_id") else None
             return Refusal("invalid", "out_of_range", reason, field, txid)
         admitted = await admit(self.gateway, api_client, body, time.time())
         if isinstance(admitted, Refusal):
-            return admitted
+            return admitted if admitted.transaction_id else dataclasses.replace(admitted, transaction_id=txid)
         # The budget is read after admission: the rate limiter's round trip is spent too.
         return await decide(self.gateway, body, admitted, self._budget(time_remaining()))
 
@@ -227,7 +230,7 @@ async def _follow_health(gateway: Gateway, servicer: health.aio.HealthServicer) 
         await asyncio.sleep(HEALTH_POLL_S)
 
 
-@dataclass
+@dataclasses.dataclass
 class GrpcServer:
     server: grpc.aio.Server
     port: int
