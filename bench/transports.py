@@ -182,6 +182,7 @@ class Sample:
     errors: Counter[str]
     seconds: float
     offered_rate: float | None = None
+    send_lateness_ms: list[float] | None = None
 
 
 async def rest_load(url: str, key: str, make: Transactions, n: int, concurrency: int) -> Sample:
@@ -245,6 +246,8 @@ async def grpc_stream_load(target: str, key: str, make: Transactions, rate: floa
     from gateway.grpc_gen.fraud.v1 import fraud_pb2_grpc
 
     sent_at: dict[str, float] = {}
+    lateness: list[float] = []
+    """How late each write was against its schedule (the generator's own lag)."""
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     total = int(rate * seconds)
@@ -258,7 +261,9 @@ async def grpc_stream_load(target: str, key: str, make: Transactions, rate: floa
             delay = due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            sent_at[message.transaction_id] = time.perf_counter()
+            now = time.perf_counter()
+            sent_at[message.transaction_id] = now
+            lateness.append((now - due) * 1000)
             yield message
 
     async with grpc.aio.insecure_channel(target) as channel:
@@ -273,10 +278,15 @@ async def grpc_stream_load(target: str, key: str, make: Transactions, rate: floa
     missing = total - len(latencies)
     if missing:
         errors["unanswered"] += missing
-    return Sample(latencies, errors, elapsed, offered_rate=rate)
+    return Sample(latencies, errors, elapsed, offered_rate=rate, send_lateness_ms=lateness)
 
 
 # --- the run -------------------------------------------------------------------------------
+
+
+def _thirds(values: list[float]) -> list[list[float]]:
+    k = max(1, len(values) // 3)
+    return [values[:k], values[k:2 * k], values[2 * k:]] if len(values) >= 3 else [values]
 
 
 def scenario_record(name: str, sample: Sample, cpu_s: float | None, requests: int,
@@ -295,6 +305,8 @@ def scenario_record(name: str, sample: Sample, cpu_s: float | None, requests: in
         "offered_rps": sample.offered_rate,
         "latency_ms": percentiles(sample.latencies_ms),
         "errors": dict(sample.errors),
+        "send_lateness_ms": percentiles(sample.send_lateness_ms) if sample.send_lateness_ms else None,
+        "latency_ms_by_third": [percentiles(part)["p50"] for part in _thirds(sample.latencies_ms)],
         "gateway_cpu_ms_per_request": round(cpu_s * 1000 / requests, 3) if cpu_s is not None and requests else None,
         "gateway_cpu_ms_per_request_net": round(max(0.0, net) * 1000 / requests, 3) if net is not None and requests else None,
     }
@@ -315,7 +327,15 @@ def _wait_http(url: str, timeout: float, proc: Proc) -> None:
     raise RuntimeError(f"{proc.name} not ready after {timeout:.0f} s:\n{proc.tail()}")
 
 
-async def measure(args: argparse.Namespace, gateway_pid: int, url: str, target: str, key: str) -> list[dict[str, Any]]:
+def _cpu_of(pids: dict[str, int]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+    times = os.times()
+    out["client"] = times.user + times.system  # this process: the load generator
+    return out
+
+
+async def measure(args: argparse.Namespace, gateway_pid: int, url: str, target: str, key: str,
+                  others: dict[str, int]) -> list[dict[str, Any]]:  # fmt: skip
     make = Transactions(uuid.uuid4().hex[:6])
     # Warm-up, left out of every figure: connections, the producer's metadata, the echo's group join.
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -337,6 +357,7 @@ async def measure(args: argparse.Namespace, gateway_pid: int, url: str, target: 
     records = []
     for name in SCENARIOS:
         before = proc_cpu_s(gateway_pid)
+        others_before = _cpu_of(others)
         if name.startswith("rest"):
             concurrency = 4 if name.endswith("c4") else 1
             n = args.n * concurrency
@@ -349,14 +370,23 @@ async def measure(args: argparse.Namespace, gateway_pid: int, url: str, target: 
             n = int(args.rate * args.seconds)
             sample = await grpc_stream_load(target, key, make, args.rate, args.seconds)
         after = proc_cpu_s(gateway_pid)
+        others_after = _cpu_of(others)
         cpu = after - before if before is not None and after is not None else None
         record = scenario_record(name, sample, cpu, n, idle)
         record["gateway_idle_cpu_pct"] = round(idle * 100, 2)
+        # Where the rest of the machine's CPU went meanwhile (% of one core): the gateway
+        # shares the cores with these, and with whatever else runs on the machine.
+        record["cpu_pct_of_a_core"] = {
+            name: round((others_after[name] - b) / sample.seconds * 100, 1)  # type: ignore[operator]
+            for name, b in others_before.items() if b is not None and others_after.get(name) is not None
+        }
+        record["cpu_pct_of_a_core"]["gateway"] = round(cpu / sample.seconds * 100, 1) if cpu is not None else None
         records.append(record)
         lat = record["latency_ms"]
         print(f"{name:12} n={n:6d} p50={lat['p50']} ms p99={lat['p99']} ms rps={record['achieved_rps']} "
               f"gateway cpu={record['gateway_cpu_ms_per_request']} ms/req "
-              f"(net of idle {record['gateway_cpu_ms_per_request_net']}) errors={record['errors']}", flush=True)  # fmt: skip
+              f"(net of idle {record['gateway_cpu_ms_per_request_net']}) errors={record['errors']} "
+              f"cpu % of a core {record['cpu_pct_of_a_core']}", flush=True)  # fmt: skip
         await asyncio.sleep(1.0)  # let the reply reader and the broker settle between scenarios
     return records
 
@@ -424,13 +454,14 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         else:
             backend_argv = [*_cli(), "worker", "--web-port", str(_free_port()), "--loglevel", "warning"]
         with (
-            started("backend", backend_argv, env, workdir),
+            started("backend", backend_argv, env, workdir) as backend,
             started("gateway", [*_cli(), "gateway", "--port", str(port), "--grpc-port", str(grpc_port)], env,
                     workdir) as gateway,
         ):  # fmt: skip
             _wait_http(f"http://127.0.0.1:{port}/healthz", READY_TIMEOUT_S, gateway)
+            others = {**svc.pids, "backend": backend.popen.pid}
             scenarios = asyncio.run(measure(args, gateway.popen.pid, f"http://127.0.0.1:{port}",
-                                            f"127.0.0.1:{grpc_port}", api_key))  # fmt: skip
+                                            f"127.0.0.1:{grpc_port}", api_key, others))  # fmt: skip
     machine["load_avg_at_end"] = list(os.getloadavg())
     return {
         "schema": "fraud-pipeline-bench-transports/1",

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -23,7 +25,17 @@ from gateway.replies import Outcome, Replies
 from pipeline.ratelimit import RateDecision
 from pipeline.validate import Limits, Rejection, validate
 
-__all__ = ["Admitted", "Decided", "GatewayParts", "Refusal", "RefusalKind", "admit", "decide"]
+__all__ = [
+    "Admitted",
+    "CoalescingLimiter",
+    "Decided",
+    "GatewayParts",
+    "Refusal",
+    "RefusalKind",
+    "admit",
+    "coalesced",
+    "decide",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +90,63 @@ class GatewayParts(Protocol):
     def limits(self) -> Limits: ...
 
     async def rate(self, api_client: str, user_id: str) -> RateDecision | None: ...
+
+
+class CoalescingLimiter:
+    """One rate-limiter call for every request that arrives while the previous call is out.
+
+    The limiter decides a batch in order, as it would the same requests one by
+    one, in one Redis round trip. With requests in flight together (concurrent
+    REST clients, a gRPC stream) that round trip was the gateway's largest cost
+    per request (a fifth of its CPU at 300 TPS on one stream); a lone request
+    goes out at once, so an idle gateway adds no wait."""
+
+    def __init__(self, limiter: Any) -> None:
+        self.limiter = limiter
+        self._queue: list[tuple[tuple[str, str], asyncio.Future[RateDecision]]] = []
+        self._draining = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def allow(self, requests: Sequence[tuple[str, str]]) -> list[RateDecision]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for request in requests:
+            future: asyncio.Future[RateDecision] = loop.create_future()
+            self._queue.append((request, future))
+            futures.append(future)
+        if not self._draining:
+            self._draining = True
+            self._task = loop.create_task(self._drain())  # referenced: a bare task may be collected
+        return list(await asyncio.gather(*futures))
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    decisions = await self.limiter.allow([request for request, _ in batch])
+                    answers = list(zip(batch, decisions, strict=True))
+                except Exception as exc:  # each waiter sees it (the gateway then admits: fail open)
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, future), decision in answers:
+                    if not future.done():  # a waiter that gave up is not answered
+                        future.set_result(decision)
+        finally:
+            self._draining = False
+
+
+_coalescing: weakref.WeakKeyDictionary[Any, CoalescingLimiter] = weakref.WeakKeyDictionary()
+
+
+def coalesced(limiter: Any) -> CoalescingLimiter:
+    """The one :class:`CoalescingLimiter` in front of ``limiter``."""
+    found = _coalescing.get(limiter)
+    if found is None:
+        found = _coalescing[limiter] = CoalescingLimiter(limiter)
+    return found
 
 
 async def admit(gw: GatewayParts, api_client: str, raw: bytes, now: float) -> Admitted | Refusal:

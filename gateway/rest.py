@@ -44,7 +44,7 @@ from aiokafka import AIOKafkaProducer
 from app.errors import ConfigError
 from app.settings import Settings
 from app.topics import ensure_topics, kafka_auth
-from gateway.core import Refusal, admit, decide
+from gateway.core import Refusal, admit, coalesced, decide
 from gateway.openapi import openapi_document
 from gateway.replies import Replies
 from gateway.review import ReviewQueue, ReviewReader, analyst_label
@@ -246,7 +246,7 @@ class Gateway:
             return None
         try:
             decisions = await asyncio.wait_for(
-                self.limiter.allow([(f"gw:{api_client}", f"gw:{user_id}")]), RATE_LIMIT_TIMEOUT_S * 2
+                coalesced(self.limiter).allow([(f"gw:{api_client}", f"gw:{user_id}")]), RATE_LIMIT_TIMEOUT_S * 2
             )
             return decisions[0]
         except Exception as exc:

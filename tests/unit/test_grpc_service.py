@@ -238,3 +238,38 @@ def test_rest_answers_each_refusal_with_its_status_and_body() -> None:
     assert dead.status == 502 and dead.headers["X-Correlation-Id"] == "c-1"
     assert orjson.loads(dead.body)["correlation_id"] == "c-1"
     assert set(REFUSAL_STATUS) == {"invalid", "rate_limited", "timeout", "unavailable", "dead_lettered"}
+
+
+def test_concurrent_rate_checks_share_one_limiter_call_and_get_the_same_answers() -> None:
+    from gateway.core import CoalescingLimiter
+
+    class Counting(InMemoryRateLimiter):
+        calls: list[int] = []
+
+        async def allow(self, requests: Any) -> Any:
+            self.calls.append(len(requests))
+            await asyncio.sleep(0.01)  # a round trip: requests arriving meanwhile wait for the next one
+            return await super().allow(requests)
+
+    async def main() -> None:
+        clock = lambda: 1000.0  # noqa: E731
+        inner = Counting(100.0, 100.0, 0.01, 2.0, clock=clock)
+        limiter = CoalescingLimiter(inner)
+        keys = [("gw:acme", f"gw:u-{i % 3}") for i in range(12)]
+        first = asyncio.ensure_future(limiter.allow([keys[0]]))
+        await asyncio.sleep(0.001)  # its call is out
+        rest = await asyncio.gather(*(limiter.allow([k]) for k in keys[1:]))
+        got = [await first, *rest]
+        assert inner.calls == [1, 11]  # the first at once, the ones arriving meanwhile together
+        alone = InMemoryRateLimiter(100.0, 100.0, 0.01, 2.0, clock=clock)
+        expected = [await alone.allow([k]) for k in keys]  # one by one, in the same order
+        assert [g[0] for g in got] == [e[0] for e in expected]
+
+        class Broken:
+            async def allow(self, requests: Any) -> Any:
+                raise ConnectionError("redis down")
+
+        with pytest.raises(ConnectionError):
+            await CoalescingLimiter(Broken()).allow([("gw:a", "gw:b")])
+
+    asyncio.run(main())
