@@ -273,3 +273,18 @@ def test_concurrent_rate_checks_share_one_limiter_call_and_get_the_same_answers(
             await CoalescingLimiter(Broken()).allow([("gw:a", "gw:b")])
 
     asyncio.run(main())
+
+
+def test_a_stream_without_a_key_fails_unauthenticated_before_reading() -> None:
+    async def check(stub: fraud_pb2_grpc.FraudScoringStub, producer: FakeProducer) -> None:
+        async def requests() -> AsyncIterator[fraud_pb2.Transaction]:
+            yield transaction_message(tx(1))
+
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.ScoreStream(requests()):
+                pass
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert details(caught.value)[1].reason == "unauthenticated"
+        assert not producer.sent
+
+    serve(check)
