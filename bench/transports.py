@@ -8,7 +8,7 @@ Starts a broker and Redis (or uses ``KAFKA_BOOTSTRAP`` / ``REDIS_URL``), one
     rest-c4        the same, 4 concurrent clients
     grpc-seq       Score, one client, closed loop
     grpc-c4        Score, 4 concurrent clients
-    grpc-stream    ScoreStream, one stream, open loop at --rate TPS (default 500)
+    grpc-stream-R  ScoreStream, one stream, open loop at R TPS (--rates, default 250 and 500)
 
 For each: latency as the caller sees it (request sent to answer read; on the
 stream, transaction written to its reply read) p50/p99, throughput, errors, and
@@ -56,6 +56,7 @@ __all__ = ["SCENARIOS", "echo_decision", "main", "scenario_record"]
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("rest-seq", "rest-c4", "grpc-seq", "grpc-c4", "grpc-stream")
+"""Run in this order; ``grpc-stream`` once per offered rate (``grpc-stream-500``)."""
 #: Neither bucket is the subject: the limiter still runs (its Redis round trip is
 #: part of every request's cost), it never refuses.
 NO_LIMITS = {
@@ -355,7 +356,9 @@ async def measure(args: argparse.Namespace, gateway_pid: int, url: str, target: 
     print(f"gateway idle: {idle * 100:.1f} % of a core", flush=True)
 
     records = []
-    for name in SCENARIOS:
+    names = [s for s in SCENARIOS if s != "grpc-stream"]
+    names += [f"grpc-stream-{rate:g}" for rate in args.rates] if "grpc-stream" in SCENARIOS else []
+    for name in names:
         before = proc_cpu_s(gateway_pid)
         others_before = _cpu_of(others)
         if name.startswith("rest"):
@@ -367,8 +370,9 @@ async def measure(args: argparse.Namespace, gateway_pid: int, url: str, target: 
             n = args.n * concurrency
             sample = await grpc_unary_load(target, key, make, n, concurrency)
         else:
-            n = int(args.rate * args.seconds)
-            sample = await grpc_stream_load(target, key, make, args.rate, args.seconds)
+            rate = float(name.rsplit("-", 1)[1])
+            n = int(rate * args.seconds)
+            sample = await grpc_stream_load(target, key, make, rate, args.seconds)
         after = proc_cpu_s(gateway_pid)
         others_after = _cpu_of(others)
         cpu = after - before if before is not None and after is not None else None
@@ -417,7 +421,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     for i, r in enumerate(rows):
         right.annotate(f"{r['achieved_rps']:.0f}/s", (i, cpu[i]), ha="center", va="bottom", fontsize=8)
     m = doc["machine"]
-    fig.suptitle(f"REST vs gRPC, backend={doc['backend']}, stream offered {doc['stream_rate']:.0f} TPS; "
+    fig.suptitle(f"REST vs gRPC, backend={doc['backend']}, stream offered {'/'.join(f'{r:g}' for r in doc['stream_rates'])} TPS; "
                  f"{m['cores']} cores, {m['cpu_model']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -469,7 +473,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine,
         "backend": args.backend,
         "n_per_client": args.n,
-        "stream_rate": args.rate,
+        "stream_rates": args.rates,
         "stream_seconds": args.seconds,
         "note": "one gateway process serving REST and gRPC; broker, Redis, backend and this client share the machine",
         "scenarios": scenarios,
@@ -492,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     echo.add_argument("--decisions", required=True)
     parser.add_argument("--backend", choices=["echo", "worker"], default="echo")
     parser.add_argument("--n", type=int, default=500, help="requests per client in the closed-loop scenarios")
-    parser.add_argument("--rate", type=float, default=500.0, help="the stream's offered rate, TPS")
+    parser.add_argument("--rates", type=lambda v: [float(r) for r in v.split(",")], default=[250.0, 500.0],
+                        help="the stream's offered rates, TPS, comma-separated (default 250,500)")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=20.0, help="the stream's duration")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
