@@ -32,9 +32,10 @@ import numpy as np
 import orjson
 
 from app.contract import Decision, Transaction
+from app.redis_keys import content_hash
 from pipeline.admission import Admission
 from pipeline.auth import UNSIGNED, AuthResult
-from pipeline.cache import UNCHECKED, DecisionCache, content_hash
+from pipeline.cache import UNCHECKED, DecisionCache
 from pipeline.decide import explain
 from pipeline.drift import DriftMonitor
 from pipeline.feature_store import Enrichment, FeatureStore

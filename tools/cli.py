@@ -177,7 +177,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from agents.feedback import quality_prefix
+    from app.redis_keys import quality_prefix
     from app.settings import get_settings
     from pipeline.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
 
@@ -194,12 +194,13 @@ def cmd_report(args: argparse.Namespace) -> int:
             ledger.add_label(label)
         report = quality_report(ledger.joined.values(), ledger.decided)
     else:
-        import redis.asyncio as aioredis
+        from app.redis_client import BATCH_TIMEOUT_S, async_client
 
         async def snapshot() -> Any:
-            client = aioredis.Redis.from_url(settings.redis_url)
+            # One server or a Redis Cluster, as the workers' (one-off: a batch job's timeout).
+            client = async_client(settings, timeout_s=BATCH_TIMEOUT_S)
             try:
-                return await RedisQualityStore(client, prefix=quality_prefix(settings)).snapshot()
+                return await RedisQualityStore(client, prefix=quality_prefix(settings.app_id)).snapshot()
             finally:
                 await client.aclose()
 
