@@ -147,7 +147,7 @@ class WorkerMetrics:
     # --- wiring -------------------------------------------------------------------
 
     @classmethod
-    def install(cls, app: faust.App, settings: Settings, *, faust_sensors: bool = True) -> WorkerMetrics:
+    def install(cls, app: faust.App, settings: Settings, *, faust_sensors: bool = False) -> WorkerMetrics:
         """Create the app's metrics and serve them at ``/metrics`` (with faust's sensor when ``faust_sensors``)."""
         from faust.sensors.prometheus import setup_prometheus_sensors
         from prometheus_client import disable_created_metrics
