@@ -10,7 +10,6 @@ costs a few quality counts, never a decision.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -20,6 +19,7 @@ import orjson
 
 from app import redis_client, redis_keys
 from app.faust_app import RAW, base_app
+from app.retry import retry
 from app.settings import Settings
 from pipeline.labels import Label, parse_label
 from pipeline.quality import RedisQualityStore, quality_report, served_from_feedback
@@ -77,17 +77,10 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
     async def retried(what: str, call: Any, items: list[Any]) -> None:
         # NOTE: nothing may escape a take() body (faust would ack the batches
         # behind it unprocessed); after the retries the batch is given up, loudly.
-        delay = 0.2
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                await call(items)
-                return
-            except Exception as exc:
-                if attempt == ATTEMPTS:
-                    log.warning("quality: %d %s not recorded (%r)", len(items), what, exc)
-                    return
-                await asyncio.sleep(delay)
-                delay *= 2
+        try:
+            await retry(lambda: call(items), first_s=0.2, attempts=ATTEMPTS)
+        except Exception as exc:
+            log.warning("quality: %d %s not recorded (%r)", len(items), what, exc)
 
     @app.agent(feedback, name="quality-feedback")
     async def quality_feedback(stream: faust.StreamT) -> None:

@@ -7,7 +7,6 @@ auto-creation off).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from collections.abc import Sequence
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
+from app.retry import retry
 from app.settings import Settings
 
 __all__ = ["ensure_topics", "kafka_auth", "producer_options", "topic_partitions"]
@@ -36,9 +36,8 @@ def topic_partitions(settings: Settings) -> dict[str, int]:
 async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str, int]:
     """Create missing topics; wait for the broker with backoff up to ``wait_s``."""
     wanted = topic_partitions(settings)
-    deadline = time.monotonic() + wait_s
-    delay = 0.25
-    while True:
+
+    async def create_missing() -> dict[str, int]:
         admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
         try:
             await admin.start()
@@ -50,16 +49,16 @@ async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str
                 except TopicAlreadyExistsError:
                     pass  # another worker won the race
             return wanted
-        except (KafkaConnectionError, KafkaError, OSError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning(
-                "broker %s not reachable (%s); retrying in %.1f s", settings.kafka_bootstrap, exc, delay
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
         finally:
             await admin.close()
+
+    def unreachable(exc: Exception, delay: float) -> None:
+        log.warning("broker %s not reachable (%s); retrying in %.1f s", settings.kafka_bootstrap, exc, delay)
+
+    return await retry(
+        create_missing, first_s=0.25, cap_s=5.0, deadline=time.monotonic() + wait_s,
+        retry_on=(KafkaConnectionError, KafkaError, OSError), on_retry=unreachable,
+    )  # fmt: skip
 
 
 def kafka_auth(settings: Settings) -> dict[str, object]:
