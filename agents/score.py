@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits
 
-__all__ = ["Runtime", "create_app"]
+__all__ = ["Runtime", "create_app", "handle_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -144,17 +144,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         await reloader.apply(scorer)  # the shadow and drift reference, if any
         try:
             async for events in stream.take_events(settings.batch_size, within=settings.batch_window_s):
-                started = time.perf_counter()
-                admitted = await commits.admit(events)  # holes and rewinds: see app/commits.py
-                if not admitted.events:
-                    continue
-                batch = [_inbound(event) for event in admitted.events]
-                await reloader.apply(scorer)  # a promoted model or rules, between batches
-                output = await scorer.score_batch(batch)
-                await scorer.finish(output)  # the shadow model: adds to the feedback records
-                await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
-                await _write_cache(scorer, output)
-                metrics.observe_batch(batch, output, started)
+                await handle_batch(events, commits=commits, scorer=scorer, reloader=reloader, metrics=metrics)
         finally:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(commits.close(), 5.0)
@@ -175,6 +165,30 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     app.scoring_agent = score
     app.transaction_commits = commits
     return app
+
+
+async def handle_batch(
+    events: Sequence[Any],
+    *,
+    commits: TransactionCommits,
+    scorer: Scorer,
+    reloader: Reloader,
+    metrics: WorkerMetrics,
+) -> BatchOutput | None:
+    """One micro-batch of faust events, top to bottom; returns what it
+    committed, or None when nothing was admitted (nothing is done then)."""
+    started = time.perf_counter()
+    admitted = await commits.admit(events)  # holes and rewinds: see app/commits.py
+    if not admitted.events:
+        return None
+    batch = [_inbound(event) for event in admitted.events]
+    await reloader.apply(scorer)  # a promoted model or rules, between batches
+    output = await scorer.score_batch(batch)
+    await scorer.finish(output)  # the shadow model: adds to the feedback records
+    await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
+    await _write_cache(scorer, output)  # after commit() returned: a failed one raised or exited (a fenced one did not)
+    metrics.observe_batch(batch, output, started)
+    return output
 
 
 def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetrics) -> TransactionCommits:
