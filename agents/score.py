@@ -29,6 +29,7 @@ from agents.reload import Reloader
 from agents.tally import install_merchant_tally
 from app import redis_client
 from app.commits import TransactionCommits, untrack_read_offsets
+from app.contract import Transaction
 from app.faust_app import RAW, base_app
 from app.settings import Settings
 from app.topics import kafka_auth, producer_options
@@ -185,8 +186,8 @@ async def handle_batch(
     await reloader.apply(scorer)  # a promoted model or rules, between batches
     output = await scorer.score_batch(batch)
     await scorer.finish(output)  # the shadow model: adds to the feedback records
-    await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
-    await _write_cache(scorer, output)  # after commit() returned: a failed one raised or exited (a fenced one did not)
+    committed = await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
+    await _write_cache(scorer, output.cacheable(committed))  # only what committed: never a fenced partition's
     metrics.observe_batch(batch, output, started)
     return output
 
@@ -228,15 +229,15 @@ def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetr
     return commits
 
 
-async def _write_cache(scorer: Scorer, output: BatchOutput) -> None:
-    if output.to_cache:
+async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+    if decisions:
         # NOTE: awaited before the next batch is taken: a resend one batch
         # behind its original must find this decision (a fire-and-forget
         # write raced it). Bounded, and never fails the batch.
         try:
-            await asyncio.wait_for(scorer.cache.put_many(output.to_cache), CACHE_WRITE_TIMEOUT_S)
+            await asyncio.wait_for(scorer.cache.put_many(decisions), CACHE_WRITE_TIMEOUT_S)
         except Exception as exc:
-            log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
+            log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
 
 
 def _inbound(event: Any) -> Inbound:

@@ -94,9 +94,10 @@ class TransactionCommits:
             await self._check_hole(tp, expected, seen, repeated=tp in admitted.verify)
         return admitted
 
-    async def commit(self, admitted: Admitted[Any, Any], output: Any) -> None:
+    async def commit(self, admitted: Admitted[Any, Any], output: Any) -> set[int]:
         """Produce the batch's outcomes and commit its offsets, one transaction
-        per input partition; the partitions that committed move on.
+        per input partition; the partitions that committed move on, and their
+        numbers are returned.
 
         A partition this worker was fenced from is dropped until the next
         assignment (its new owner decides the batch). A transaction that fails
@@ -113,9 +114,11 @@ class TransactionCommits:
         records = output.records_by_partition(self.topics, default)
         pending = {p: PartitionBatch(ends[tp], records.get(p, [])) for p, tp in by_number.items()}
         delay = 0.1
+        committed: set[int] = set()
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             results = await self.emitter.commit(pending)
             done = {by_number[p]: pending[p].next_offset for p, r in results.items() if r is None}
+            committed.update(tp.partition for tp in done)
             fenced = [by_number[p] for p, r in results.items() if isinstance(r, Fenced)]
             if done:
                 self.progress.done(admitted, event_position, only=set(done))
@@ -125,7 +128,7 @@ class TransactionCommits:
                 self.progress.forget(fenced)
             failed = {p: r for p, r in results.items() if r is not None and not isinstance(r, Fenced)}
             if not failed:
-                return
+                return committed
             log.warning(
                 "transaction for partitions %s failed (attempt %d/%d): %r",
                 sorted(failed), attempt, COMMIT_ATTEMPTS, next(iter(failed.values())),

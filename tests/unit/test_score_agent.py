@@ -467,3 +467,7 @@ def test_a_partition_taken_over_by_another_worker_is_decided_by_that_worker_only
     asyncio.run(go())
     assert ids(broker.decisions()) == ["t-agent-0-0", "t-agent-0-1", "t-agent-0-2"]
     assert broker.offsets == {(TOPIC, 0): 3}
+    # The fenced batch's decisions were never visible: kept out of the old
+    # owner's resend cache, so a resend to it cannot be answered with them.
+    assert old.cache.stored == ["t-agent-0-0"]
+    assert new.cache.stored == ["t-agent-0-1", "t-agent-0-2"]
