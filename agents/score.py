@@ -28,9 +28,10 @@ from agents.metrics import WorkerMetrics
 from agents.reload import Reloader
 from agents.tally import install_merchant_tally
 from app import redis_client
-from app.commits import TransactionCommits, untrack_read_offsets
+from app.commits import TransactionCommits
 from app.contract import Transaction
 from app.faust_app import RAW, base_app
+from app.seams import untrack_read_offsets
 from app.settings import Settings
 from app.topics import kafka_auth, producer_options
 from app.transactional import TransactionalEmitter
