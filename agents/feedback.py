@@ -10,7 +10,6 @@ costs a few quality counts, never a decision.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -18,24 +17,23 @@ from typing import Any
 import faust
 import orjson
 
+from app import redis_client, redis_keys
 from app.faust_app import RAW, base_app
+from app.retry import retry
 from app.settings import Settings
 from pipeline.labels import Label, parse_label
 from pipeline.quality import RedisQualityStore, quality_report, served_from_feedback
 
-__all__ = ["create_feedback_app", "install_feedback_loop", "quality_prefix"]
+__all__ = ["create_feedback_app", "install_feedback_loop", "quality_store"]
 
 log = logging.getLogger(__name__)
 
 BATCH = 500
 WITHIN_S = 1.0
 ATTEMPTS = 3
-
-
-def quality_prefix(settings: Settings) -> str:
-    """Redis keys of one deployment (one app id = one consumer group), so two
-    deployments on one Redis, or parallel test workers, never mix their figures."""
-    return f"quality:{settings.app_id}:"
+#: Off the decision path: a slow Redis may take this long per command before a
+#: batch is retried (ATTEMPTS), far past the scoring budget.
+REDIS_TIMEOUT_S = 2.0
 
 
 def create_feedback_app(settings: Settings) -> faust.App:
@@ -51,6 +49,16 @@ def create_feedback_app(settings: Settings) -> faust.App:
     return app
 
 
+def quality_store(settings: Settings) -> RedisQualityStore:
+    """The feedback loop's store, over a client of its own: one server or a
+    Redis Cluster, as the scoring agents'. Make it inside the running loop."""
+    client = redis_client.async_client(settings, timeout_s=REDIS_TIMEOUT_S, connect_timeout_s=REDIS_TIMEOUT_S)
+    return RedisQualityStore(
+        client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined,
+        prefix=redis_keys.quality_prefix(settings.app_id),
+    )  # fmt: skip
+
+
 def install_feedback_loop(app: faust.App, settings: Settings) -> None:
     """Adds the feedback loop's agents (and its quality timer) to ``app``."""
     if not settings.quality_enabled:
@@ -63,29 +71,16 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
     def store() -> RedisQualityStore:
         # The client needs the running loop: made on first use, inside an agent.
         if "store" not in state:
-            import redis.asyncio as aioredis
-
-            client = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-            state["store"] = RedisQualityStore(
-                client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined,
-                prefix=quality_prefix(settings),
-            )
+            state["store"] = quality_store(settings)
         return state["store"]
 
     async def retried(what: str, call: Any, items: list[Any]) -> None:
         # NOTE: nothing may escape a take() body (faust would ack the batches
         # behind it unprocessed); after the retries the batch is given up, loudly.
-        delay = 0.2
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                await call(items)
-                return
-            except Exception as exc:
-                if attempt == ATTEMPTS:
-                    log.warning("quality: %d %s not recorded (%r)", len(items), what, exc)
-                    return
-                await asyncio.sleep(delay)
-                delay *= 2
+        try:
+            await retry(lambda: call(items), first_s=0.2, attempts=ATTEMPTS)
+        except Exception as exc:
+            log.warning("quality: %d %s not recorded (%r)", len(items), what, exc)
 
     @app.agent(feedback, name="quality-feedback")
     async def quality_feedback(stream: faust.StreamT) -> None:

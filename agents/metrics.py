@@ -14,11 +14,13 @@ one process, as in tests, never share a metric). It holds:
   offset, and the worker's measured throughput and capacity, the autoscaling
   signal (``fraud-pipeline scale advise`` reads them).
 
-NOTE: faust's own Prometheus sensor is installed too (``faust_*`` metrics:
-send latency, rebalances, the other topics' messages). It does not see
-``transactions``, which the agent consumes with acks off and commits itself
-(:mod:`app.commits`), and with ``take()`` its per-event runtime metrics are
-wrong (events are never marked done): batches and stages are timed here. Lag
+NOTE: faust's own Prometheus sensor (``faust_*`` metrics: send latency,
+rebalances, the other topics' messages) is served alongside only with
+``FRAUD_FAUST_SENSORS=true``; it is off by default (it runs per message on the
+event loop). It does not see ``transactions``, which the agent consumes with
+acks off and commits in its own Kafka transactions (:mod:`app.commits`), and
+with ``take()`` its per-event runtime metrics are wrong (events are never
+marked done): batches and stages are timed here. Lag
 is computed here from the consumer's fetch highwaters and the offsets the
 agent's transactions committed.
 """
@@ -36,6 +38,8 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from app.seams import faust_committed_offsets
 
 if TYPE_CHECKING:
     import faust
@@ -145,8 +149,8 @@ class WorkerMetrics:
     # --- wiring -------------------------------------------------------------------
 
     @classmethod
-    def install(cls, app: faust.App, settings: Settings, *, faust_sensors: bool = True) -> WorkerMetrics:
-        """Create the app's metrics and serve them (with faust's) at ``/metrics``."""
+    def install(cls, app: faust.App, settings: Settings, *, faust_sensors: bool = False) -> WorkerMetrics:
+        """Create the app's metrics and serve them at ``/metrics`` (with faust's sensor when ``faust_sensors``)."""
         from faust.sensors.prometheus import setup_prometheus_sensors
         from prometheus_client import disable_created_metrics
 
@@ -323,7 +327,7 @@ class _ScrapeTimeCollector(Collector):
         # NOTE: what this process committed (Kafka semantics: the next offset to
         # read), not the broker's answer: that would cost a round trip per scrape.
         source = self.metrics.committed
-        committed = source() if source is not None else getattr(consumer, "_committed_offset", {})
+        committed = source() if source is not None else faust_committed_offsets(consumer)
         out = []
         for tp in sorted(tps):
             try:

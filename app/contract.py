@@ -2,7 +2,7 @@
 
 A *transaction* is a JSON object produced to the ``transactions`` topic, keyed by
 ``user_id``. A *decision* is a JSON object produced to ``decisions``, keyed by
-``transaction_id``. Both are documented with examples in the README; this module
+``transaction_id``. Both are documented with examples in docs/contract.md; this module
 is the single definition the rest of the code imports.
 
 Required transaction fields: ``transaction_id``, ``user_id``, ``amount``,

@@ -34,13 +34,16 @@ is sought back. A partition whose seeks keep failing is checked again after
 A partition can also go quiet with records waiting and no hole to see: the
 agent receives nothing of it at all, so nothing above trips. ``stalled``
 reports an assigned partition whose consumer fetch highwater is past its next
-offset but that decided nothing for ``after_s``; the commit timer then logs
-the fetch state and seeks it back (app/commits.py). Seen in the CI run that
+offset but that decided nothing for ``after_s``; the watchdog timer
+(``FRAUD_WATCHDOG_INTERVAL_S``) then logs the fetch state and seeks it back
+(app/commits.py). Seen in the CI run that
 found it and in 5 of 44 runs of the rebalance test since, when the surviving
 worker got its partitions back: faust dropped records aiokafka had already
 handed it (RELIABILITY.md, gap 1).
 
-Pure bookkeeping, no I/O: the faust glue is in :mod:`app.faust_app`.
+Pure bookkeeping, no I/O: the glue to faust's consumer (assignment, seeks,
+reading the log at a hole, the watchdog's timer) is :mod:`app.commits`, wired
+into the scoring agent by :mod:`agents.score`.
 """
 
 from __future__ import annotations

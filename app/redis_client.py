@@ -4,9 +4,13 @@ A cluster is chosen by the URL scheme (``redis+cluster://host:port``, or
 ``rediss+cluster://`` with TLS) or by ``FRAUD_REDIS_CLUSTER=true`` with a
 plain ``redis://`` URL naming any node; the client discovers the rest.
 
-What makes the code work on a cluster is its keys: every key that one
-command or script touches together carries the same hash tag (the part in
-braces), so it lives in one slot:
+Every process builds its clients here (the worker's scoring and feedback
+agents, the gateway, the CLI, the benchmarks), so a cluster setting reaches
+them all; each passes the timeouts its work can afford.
+
+What makes the code work on a cluster is its keys (app/redis_keys.py): every
+key that one command or script touches together carries the same hash tag
+(the part in braces), so it lives in one slot:
 
 - a user's profile, velocity set, rate-limit bucket and decision-cache
   entries: ``{u:<user>}``; a merchant's risk: ``{m:<merchant>}``;
@@ -24,7 +28,7 @@ from typing import Any
 
 from app.settings import Settings
 
-__all__ = ["async_client", "is_cluster", "is_cluster_client", "plain_url", "sync_client"]
+__all__ = ["BATCH_TIMEOUT_S", "async_client", "is_cluster", "is_cluster_client", "plain_url", "sync_client"]
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -47,14 +51,43 @@ def plain_url(url: str) -> str:
     return f"{_CLUSTER_SCHEMES.get(scheme.lower(), scheme)}{sep}{rest}"
 
 
-def async_client(settings: Settings) -> Any:
-    """The worker's pooled asyncio client, with the hot path's timeouts."""
-    s = settings
-    options = {
-        "max_connections": s.redis_pool_size,
-        "socket_timeout": s.redis_timeout_s,
-        "socket_connect_timeout": max(s.redis_timeout_s, 0.2),
+#: For batch jobs and one-off commands (``materialize``, ``report quality``):
+#: long enough for a pipeline of thousands of writes or a 200k-row HGETALL,
+#: short enough that a Redis gone silent ends the command with an error
+#: instead of hanging it.
+BATCH_TIMEOUT_S = 60.0
+
+
+def _options(timeout_s: float, connect_timeout_s: float | None, max_connections: int | None) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        # NOTE: a floor on connecting: a new connection costs a TCP (and TLS)
+        # handshake that a 50 ms command budget does not cover.
+        "socket_connect_timeout": connect_timeout_s if connect_timeout_s is not None else max(timeout_s, 0.2),
     }
+    if max_connections is not None:
+        options["max_connections"] = max_connections
+    return options
+
+
+def async_client(
+    settings: Settings,
+    *,
+    timeout_s: float | None = None,
+    connect_timeout_s: float | None = None,
+    max_connections: int | None = None,
+) -> Any:
+    """A pooled asyncio client: ``redis.asyncio.Redis`` or ``RedisCluster``.
+
+    ``timeout_s``: how long one command may wait for its reply; by default
+    ``settings.redis_timeout_s``, the scoring path's budget. ``connect_timeout_s``:
+    by default ``max(timeout_s, 0.2)``. ``max_connections``: the pool's bound
+    (per node on a cluster), by default ``settings.redis_pool_size``; a call
+    past it raises rather than waits. Make it inside the running loop.
+    """
+    s = settings
+    timeout = s.redis_timeout_s if timeout_s is None else timeout_s
+    options = _options(timeout, connect_timeout_s, s.redis_pool_size if max_connections is None else max_connections)
     if is_cluster(s):
         from redis.asyncio.cluster import RedisCluster
 
@@ -64,12 +97,22 @@ def async_client(settings: Settings) -> Any:
     return aioredis.Redis.from_url(s.redis_url, **options)
 
 
-def sync_client(settings: Settings) -> Any:
-    """A blocking client for batch jobs (``fraud-pipeline materialize``)."""
+def sync_client(
+    settings: Settings,
+    *,
+    timeout_s: float = BATCH_TIMEOUT_S,
+    connect_timeout_s: float | None = None,
+) -> Any:
+    """A blocking client for batch jobs: ``redis.Redis`` or ``redis.cluster.RedisCluster``.
+
+    ``timeout_s``: how long one command may wait for its reply (default
+    :data:`BATCH_TIMEOUT_S`); ``connect_timeout_s``: by default ``max(timeout_s, 0.2)``.
+    """
+    options = _options(timeout_s, connect_timeout_s, None)
     if is_cluster(settings):
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(plain_url(settings.redis_url))
+        return RedisCluster.from_url(plain_url(settings.redis_url), **options)
     import redis
 
-    return redis.Redis.from_url(settings.redis_url)
+    return redis.Redis.from_url(settings.redis_url, **options)

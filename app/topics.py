@@ -7,7 +7,6 @@ auto-creation off).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -15,6 +14,8 @@ from collections.abc import Sequence
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
+from app.retry import retry
+from app.seams import cluster_metadata
 from app.settings import Settings
 
 __all__ = ["ensure_topics", "kafka_auth", "producer_options", "topic_partitions"]
@@ -36,9 +37,8 @@ def topic_partitions(settings: Settings) -> dict[str, int]:
 async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str, int]:
     """Create missing topics; wait for the broker with backoff up to ``wait_s``."""
     wanted = topic_partitions(settings)
-    deadline = time.monotonic() + wait_s
-    delay = 0.25
-    while True:
+
+    async def create_missing() -> dict[str, int]:
         admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
         try:
             await admin.start()
@@ -50,16 +50,16 @@ async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str
                 except TopicAlreadyExistsError:
                     pass  # another worker won the race
             return wanted
-        except (KafkaConnectionError, KafkaError, OSError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning(
-                "broker %s not reachable (%s); retrying in %.1f s", settings.kafka_bootstrap, exc, delay
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
         finally:
             await admin.close()
+
+    def unreachable(exc: Exception, delay: float) -> None:
+        log.warning("broker %s not reachable (%s); retrying in %.1f s", settings.kafka_bootstrap, exc, delay)
+
+    return await retry(
+        create_missing, first_s=0.25, cap_s=5.0, deadline=time.monotonic() + wait_s,
+        retry_on=(KafkaConnectionError, KafkaError, OSError), on_retry=unreachable,
+    )  # fmt: skip
 
 
 def kafka_auth(settings: Settings) -> dict[str, object]:
@@ -101,11 +101,8 @@ async def partitions_of(consumer: object, topics: Sequence[str]) -> dict[str, se
     """The partitions of each of ``topics`` (None for a topic that does not exist),
     from a metadata request for all topics.
 
-    NOTE: aiokafka 0.14 internals (``consumer._client.fetch_all_metadata``): a
-    consumer without a subscription tracks no topics, so its public
-    ``partitions_for_topic`` stays None until it is assigned partitions, which
-    needs their numbers first. tests/integration/test_gateway.py and
-    test_autoscale_broker.py fail if this stops working.
+    NOTE: aiokafka's public ``partitions_for_topic`` stays None for a topic the
+    consumer is not assigned; the seam :func:`app.seams.cluster_metadata` says why.
     """
-    cluster = await consumer._client.fetch_all_metadata()  # type: ignore[attr-defined]
+    cluster = await cluster_metadata(consumer)
     return {topic: cluster.partitions_for_topic(topic) for topic in topics}

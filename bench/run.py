@@ -1012,7 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "throughput_ratios": throughput_ratios(bench.runs),
         "truncated": bench.truncated,
         "errors": bench.errors,
-        "logs": str(workdir),
+        "logs": str(workdir.relative_to(REPO)),  # relative: results are committed
     }
     for problem in validate_results(doc):
         log.warning("results: %s", problem)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import redis
 
+from app.redis_client import BATCH_TIMEOUT_S, async_client, sync_client
+from app.settings import Settings
 from models.registry import load_ensemble
 from pipeline.cache import RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
@@ -33,11 +34,15 @@ from tools.materialize import materialize
 from tools.simulator import LiveTransactions
 
 
-async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str) -> list[dict[str, Any]]:
-    import redis.asyncio as aioredis
+def _settings(redis_url: str) -> Settings:
+    # The bench's own redis-server, whatever the environment names.
+    return Settings(redis_url=redis_url, redis_cluster=False)
 
+
+async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str) -> list[dict[str, Any]]:
     source = LiveTransactions(_population(data), seed=3, fraud_rate=0.01)
-    client = aioredis.Redis.from_url(redis_url, max_connections=8)
+    # The worker's client, with a batch job's timeout: this measures the cost, not the budget.
+    client = async_client(_settings(redis_url), timeout_s=BATCH_TIMEOUT_S, max_connections=8)
     scorer = Scorer(
         model=load_ensemble(registry, None),
         rules=load_rules(Path("config/rules.json")),
@@ -88,7 +93,7 @@ def main() -> None:
 
     handle = stack.start_redis(workdir=Path(".stack/bench-scorer"))
     try:
-        materialize(pd.read_parquet(args.data), redis.Redis.from_url(handle.url), progress=False)
+        materialize(pd.read_parquet(args.data), sync_client(_settings(handle.url)), progress=False)
         asyncio.run(run(args.sizes, args.batches, args.data, args.registry, handle.url))
     finally:
         handle.stop()

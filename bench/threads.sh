@@ -2,7 +2,7 @@
 # CPU per thread of a scoring worker under open-loop load (RATE=150 bench/threads.sh):
 # /proc/<pid>/task ticks over 10 s, thread names from py-spy dump.
 set -euo pipefail
-cd /work/main
+cd "$(dirname "$0")/.."
 BIN=.venv/bin; DATA=data/transactions.parquet
 $BIN/python -m tools.stack up >/dev/null
 source .stack/env
@@ -13,12 +13,12 @@ $BIN/fraud-pipeline worker > .stack/thr-worker.log 2>&1 &
 W=$!
 for _ in $(seq 1 120); do grep -q "Ready" .stack/thr-worker.log && break; sleep 0.5; done
 snap() { for t in /proc/$W/task/*; do echo "$(basename $t) $(awk '{print $14+$15}' $t/stat)"; done | sort; }
-$BIN/fraud-pipeline loadgen --rate ${RATE:-150} --duration 20 --data $DATA --every 100 > /tmp/thr-load.txt &
+$BIN/fraud-pipeline loadgen --rate ${RATE:-150} --duration 20 --data $DATA --every 100 > .stack/thr-load.txt &
 L=$!
-sleep 5; snap > /tmp/s1; sleep 10; snap > /tmp/s2
+sleep 5; snap > .stack/thr-s1; sleep 10; snap > .stack/thr-s2
 wait $L
-join /tmp/s1 /tmp/s2 | awk '{printf "%-10s %6.1f%%\n", $1, ($3-$2)}' | sort -k2 -nr | head -8
+join .stack/thr-s1 .stack/thr-s2 | awk '{printf "%-10s %6.1f%%\n", $1, ($3-$2)}' | sort -k2 -nr | head -8
 $BIN/py-spy dump --pid $W 2>/dev/null | grep -E "^Thread" 
-tail -1 /tmp/thr-load.txt
+tail -1 .stack/thr-load.txt
 kill -TERM $W; sleep 3; kill -KILL $W 2>/dev/null || true
 $BIN/python -m tools.stack down >/dev/null

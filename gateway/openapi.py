@@ -135,115 +135,141 @@ def _review_item_schema() -> dict[str, Any]:
 
 
 def openapi_document(server_url: str | None = None) -> dict[str, Any]:
-    unauthorized = _error("No API key, or not a known one.", {"WWW-Authenticate": {"schema": _STR}})
-    retry_after = {"Retry-After": {"description": "Seconds until a retry would pass.", "schema": {"type": "integer"}}}
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {
-            "title": "fraud-pipeline gateway",
-            "version": "1",
-            "description": (
-                "Real-time fraud decisions over HTTP. The gateway validates a transaction, produces it "
-                "(signed) to the `transactions` topic and answers with the decision the scoring workers "
-                "write to `decisions`. A resend of the same transaction_id gets the same decision (cached)."
-            ),
-        },
-        "components": {
-            "securitySchemes": {
-                "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key>"},
-                "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
-            },
-            "schemas": {
-                "Transaction": _transaction_schema(),
-                "Decision": _decision_schema(),
-                "ReviewItem": _review_item_schema(),
-                **_error_schemas(),
-            },
-        },
+        "info": _info(),
+        "components": _components(),
         "security": [{"bearer": []}, {"apiKey": []}],
-        "paths": {
-            "/v1/transactions": {
-                "post": {
-                    "summary": "Score one transaction and return its decision",
-                    "operationId": "decideTransaction",
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Transaction"}}},
-                    },
-                    "responses": {
-                        "200": {
-                            "description": "The decision (action reject: the worker refused it, `error` says why).",
-                            "headers": {"X-Correlation-Id": {"schema": _STR}},
-                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Decision"}}},
-                        },
-                        "400": _error("The transaction is invalid; `error.code` is one of the validation codes."),
-                        "401": unauthorized,
-                        "429": _error("The API client or the user is over its rate limit.", retry_after),
-                        "502": _error("The pipeline dead-lettered the message (see `error`)."),
-                        "503": _error("The broker did not accept the message."),
-                        "504": _error(
-                            "No decision within the gateway's timeout. The transaction may still be decided: "
-                            "resend it (same transaction_id) to get that decision."
-                        ),
-                    },
-                }
-            },
-            "/v1/review/decisions": {
-                "get": {
-                    "summary": "Decisions in review, newest first (analyst key)",
-                    "operationId": "listReview",
-                    "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}}],
-                    "responses": {
-                        "200": {
-                            "description": "The review queue.",
-                            "content": {"application/json": {"schema": {
-                                "type": "object",
-                                "properties": {"items": {"type": "array", "items": {"$ref": "#/components/schemas/ReviewItem"}}},
-                            }}},
-                        },  # fmt: skip
-                        "401": unauthorized,
-                    },
-                }
-            },
-            "/v1/review/{transaction_id}/label": {
-                "post": {
-                    "summary": "Label a transaction fraud or legit (produced to `labels`, source analyst)",
-                    "operationId": "labelTransaction",
-                    "parameters": [{"name": "transaction_id", "in": "path", "required": True, "schema": _ID}],
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": {
-                            "type": "object", "required": ["label"],
-                            "properties": {"label": {"type": "string", "enum": list(LABELS)}},
-                        }}},
-                    },  # fmt: skip
-                    "responses": {
-                        "200": {"description": "The label as produced to `labels`."},
-                        "400": _error("The label is not fraud or legit."),
-                        "401": unauthorized,
-                        "503": _error("The broker did not accept the label."),
-                    },
-                }
-            },
-            "/healthz": {
-                "get": {
-                    "summary": "Liveness: the broker connection and the reply reader",
-                    "security": [],
-                    "responses": {"200": {"description": "ok"}, "503": {"description": "not ready"}},
-                }
-            },
-            "/openapi.json": {
-                "get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}
-            },
-            "/review": {
-                "get": {
-                    "summary": "The analyst review page (HTML; its calls need an analyst key)",
-                    "security": [],
-                    "responses": {"200": {"description": "text/html"}},
-                }
-            },
-        },
+        "paths": {**_decision_paths(), **_review_paths(), **_service_paths()},
     }
     if server_url:
         doc["servers"] = [{"url": server_url}]
     return doc
+
+
+def _info() -> dict[str, Any]:
+    return {
+        "title": "fraud-pipeline gateway",
+        "version": "1",
+        "description": (
+            "Real-time fraud decisions over HTTP. The gateway validates a transaction, produces it "
+            "(signed) to the `transactions` topic and answers with the decision the scoring workers "
+            "write to `decisions`. A resend of the same transaction_id gets the same decision (cached)."
+        ),
+    }
+
+
+def _components() -> dict[str, Any]:
+    return {
+        "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key>"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+        },
+        "schemas": {
+            "Transaction": _transaction_schema(),
+            "Decision": _decision_schema(),
+            "ReviewItem": _review_item_schema(),
+            **_error_schemas(),
+        },
+    }
+
+
+def _unauthorized() -> dict[str, Any]:
+    return _error("No API key, or not a known one.", {"WWW-Authenticate": {"schema": _STR}})
+
+
+def _decision_paths() -> dict[str, Any]:
+    retry_after = {"Retry-After": {"description": "Seconds until a retry would pass.", "schema": {"type": "integer"}}}
+    return {
+        "/v1/transactions": {
+            "post": {
+                "summary": "Score one transaction and return its decision",
+                "operationId": "decideTransaction",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Transaction"}}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "The decision (action reject: the worker refused it, `error` says why).",
+                        "headers": {"X-Correlation-Id": {"schema": _STR}},
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Decision"}}},
+                    },
+                    "400": _error("The transaction is invalid; `error.code` is one of the validation codes."),
+                    "401": _unauthorized(),
+                    "429": _error("The API client or the user is over its rate limit.", retry_after),
+                    "502": _error("The pipeline dead-lettered the message (see `error`)."),
+                    "503": _error("The broker did not accept the message."),
+                    "504": _error(
+                        "No decision within the gateway's timeout. The transaction may still be decided: "
+                        "resend it (same transaction_id) to get that decision."
+                    ),
+                },
+            }
+        },
+    }
+
+
+def _review_paths() -> dict[str, Any]:
+    return {
+        "/v1/review/decisions": {
+            "get": {
+                "summary": "Decisions in review, newest first (analyst key)",
+                "operationId": "listReview",
+                "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}}],
+                "responses": {
+                    "200": {
+                        "description": "The review queue.",
+                        "content": {"application/json": {"schema": {
+                            "type": "object",
+                            "properties": {"items": {"type": "array", "items": {"$ref": "#/components/schemas/ReviewItem"}}},
+                        }}},
+                    },  # fmt: skip
+                    "401": _unauthorized(),
+                },
+            }
+        },
+        "/v1/review/{transaction_id}/label": {
+            "post": {
+                "summary": "Label a transaction fraud or legit (produced to `labels`, source analyst)",
+                "operationId": "labelTransaction",
+                "parameters": [{"name": "transaction_id", "in": "path", "required": True, "schema": _ID}],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {
+                        "type": "object", "required": ["label"],
+                        "properties": {"label": {"type": "string", "enum": list(LABELS)}},
+                    }}},
+                },  # fmt: skip
+                "responses": {
+                    "200": {"description": "The label as produced to `labels`."},
+                    "400": _error("The label is not fraud or legit."),
+                    "401": _unauthorized(),
+                    "503": _error("The broker did not accept the label."),
+                },
+            }
+        },
+    }
+
+
+def _service_paths() -> dict[str, Any]:
+    """Health, this document and the review page: no API key needed."""
+    return {
+        "/healthz": {
+            "get": {
+                "summary": "Liveness: the broker connection and the reply reader",
+                "security": [],
+                "responses": {"200": {"description": "ok"}, "503": {"description": "not ready"}},
+            }
+        },
+        "/openapi.json": {
+            "get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}
+        },
+        "/review": {
+            "get": {
+                "summary": "The analyst review page (HTML; its calls need an analyst key)",
+                "security": [],
+                "responses": {"200": {"description": "text/html"}},
+            }
+        },
+    }

@@ -80,6 +80,8 @@ class TopicReader:
     (the gateway's readers: they follow every partition, they share no work)."""
 
     task_name = "gateway-reader"
+    reads = "records"
+    """What the reader follows, for its log lines."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -112,6 +114,27 @@ class TopicReader:
         self._task = asyncio.create_task(self._run(), name=self.task_name)
 
     async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the broker went away: keep following, the consumer reconnects
+                log.warning("reading %s failed (%r); retrying in %.1f s", self.reads, exc, FETCH_RETRY_S)
+                await asyncio.sleep(FETCH_RETRY_S)
+                continue
+            self._take(batches)
+
+    def _take(self, batches: dict[TopicPartition, list[Any]]) -> None:
+        """Hand each record with a value to :meth:`read`, in order per partition."""
+        for tp, records in batches.items():
+            for record in records:
+                if record.value is not None:
+                    self.read(tp.topic, record.value)
+
+    def read(self, topic: str, value: bytes) -> None:
+        """Take one record's value (a subclass says what that means)."""
         raise NotImplementedError
 
     async def stop(self) -> None:
@@ -130,6 +153,7 @@ class Replies(TopicReader):
     """Pending futures keyed by correlation id, resolved by one background consumer."""
 
     task_name = "gateway-replies"
+    reads = "decisions"
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -190,21 +214,11 @@ class Replies(TopicReader):
         self.matched += 1
         return True
 
-    async def _run(self) -> None:
-        assert self._consumer is not None
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=1000)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the broker went away: keep waiting, requests time out meanwhile
-                log.warning("reading decisions failed (%r); retrying in %.1f s", exc, FETCH_RETRY_S)
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
-            if not self._pending:
-                self.unmatched += sum(len(records) for records in batches.values())
-                continue  # nobody is waiting: skip parsing
-            for tp, records in batches.items():
-                for record in records:
-                    if record.value is not None:
-                        self.deliver(tp.topic, record.value)
+    def read(self, topic: str, value: bytes) -> None:
+        self.deliver(topic, value)
+
+    def _take(self, batches: dict[TopicPartition, list[Any]]) -> None:
+        if not self._pending:
+            self.unmatched += sum(len(records) for records in batches.values())
+            return  # nobody is waiting: skip parsing
+        super()._take(batches)

@@ -41,7 +41,9 @@ import orjson
 from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
+from app import redis_client
 from app.errors import ConfigError
+from app.redis_keys import gateway_bucket_ids
 from app.settings import Settings
 from app.topics import ensure_topics, kafka_auth
 from gateway.core import Refusal, admit, coalesced, decide
@@ -61,6 +63,9 @@ STATIC = Path(__file__).parent / "static"
 _HEX_RE = re.compile(r"(?:[0-9a-fA-F]{2})+")
 #: A Redis hiccup must not hold a payment: past this the request is admitted (fail open).
 RATE_LIMIT_TIMEOUT_S = 0.25
+#: Redis connections per gateway process (per node on a cluster): one per
+#: request in flight at once.
+GATEWAY_REDIS_CONNECTIONS = 100
 
 
 # --- API keys ------------------------------------------------------------------------------
@@ -208,8 +213,6 @@ class Gateway:
         return Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s)
 
     async def start(self) -> None:
-        import redis.asyncio as aioredis
-
         s = self.settings
         await ensure_topics(s)
         self.producer = AIOKafkaProducer(
@@ -221,7 +224,18 @@ class Gateway:
         if self.review is not None:
             self.review_reader = ReviewReader(s, self.review)
             await self.review_reader.start()
-        self.redis = aioredis.Redis.from_url(s.redis_url, socket_timeout=RATE_LIMIT_TIMEOUT_S)
+        self.start_redis()
+
+    def start_redis(self) -> None:
+        """The rate limiter over the gateway's Redis client (inside the running loop)."""
+        s = self.settings
+        # One server or a Redis Cluster, as the workers'. Each request in flight
+        # holds a connection for one script call; past the pool a request fails
+        # open, so the bound is generous (GATEWAY_REDIS_CONNECTIONS).
+        self.redis = redis_client.async_client(
+            s, timeout_s=RATE_LIMIT_TIMEOUT_S, connect_timeout_s=RATE_LIMIT_TIMEOUT_S,
+            max_connections=GATEWAY_REDIS_CONNECTIONS,
+        )  # fmt: skip
         self.limiter = RedisRateLimiter(
             self.redis, s.gateway_rate_per_s, s.gateway_burst, s.rate_user_per_s, s.rate_user_burst
         )
@@ -238,7 +252,7 @@ class Gateway:
     async def rate(self, api_client: str, user_id: str) -> RateDecision | None:
         """The token buckets' verdict, or None when Redis cannot say (admitted: fail open).
 
-        NOTE: the buckets are namespaced ``gw:``: a worker keeps its own per-client
+        NOTE: the buckets are namespaced ``gw:`` (app/redis_keys.py): a worker keeps its own per-client
         bucket for the gateway's producer id, and its own per-user bucket; these are
         the gateway's per-API-client and per-user ones, so a refusal here is a 429
         instead of a ``reject`` decision."""
@@ -246,7 +260,7 @@ class Gateway:
             return None
         try:
             decisions = await asyncio.wait_for(
-                coalesced(self.limiter).allow([(f"gw:{api_client}", f"gw:{user_id}")]), RATE_LIMIT_TIMEOUT_S * 2
+                coalesced(self.limiter).allow([gateway_bucket_ids(api_client, user_id)]), RATE_LIMIT_TIMEOUT_S * 2
             )
             return decisions[0]
         except Exception as exc:

@@ -16,7 +16,6 @@ format of :mod:`pipeline.labels`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -35,7 +34,6 @@ log = logging.getLogger(__name__)
 #: orjson writes no spaces, so a feedback record for a review decision holds
 #: exactly this; checking for it first spares parsing the other ~95 % of feedback.
 REVIEW_MARK = b'"action":"review"'
-FETCH_RETRY_S = 0.5
 
 
 class ReviewQueue:
@@ -113,6 +111,7 @@ class ReviewReader(TopicReader):
     """Feeds a :class:`ReviewQueue` from ``feedback`` and ``labels``, from their beginnings."""
 
     task_name = "gateway-review"
+    reads = "feedback/labels"
 
     def __init__(self, settings: Settings, queue: ReviewQueue) -> None:
         super().__init__(settings)
@@ -138,19 +137,3 @@ class ReviewReader(TopicReader):
                 self.queue.add_feedback(orjson.loads(value))
             except orjson.JSONDecodeError:
                 log.warning("skipping a feedback record that is not JSON")
-
-    async def _run(self) -> None:
-        assert self._consumer is not None
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=1000)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("reading feedback/labels failed (%r); retrying in %.1f s", exc, FETCH_RETRY_S)
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
-            for tp, records in batches.items():
-                for record in records:
-                    if record.value is not None:
-                        self.read(tp.topic, record.value)

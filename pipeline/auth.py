@@ -68,6 +68,7 @@ import orjson
 
 from app.errors import ConfigError
 from app.redis_client import is_cluster_client
+from app.redis_keys import signature_key
 from pipeline.feature_store import TTLCache
 from pipeline.validate import Rejection
 
@@ -84,7 +85,6 @@ __all__ = [
     "ReplayGuard",
     "replay_ttl_s",
     "sign",
-    "signature_key",
     "verify",
 ]
 
@@ -281,11 +281,6 @@ def _decode_key(client_id: object, text: object, source: str) -> bytes:
 
 
 # --- replay protection ------------------------------------------------------------
-
-
-def signature_key(signature: str) -> str:
-    """Redis key marking a signature as seen (the value is the first delivery)."""
-    return f"fp:sig:{signature}"
 
 
 def replay_ttl_s(window_s: float) -> int:

@@ -1,7 +1,7 @@
 """Rule backtest: what a proposed rules file would have decided on past traffic.
 
 Each ``feedback`` record holds the decision as served, the transaction, its
-score and (since this module) the merchant's live tally at decision time — all
+score and the merchant's live tally at decision time — all
 that :func:`pipeline.rules.evaluate_rules` reads. Re-evaluating a proposed
 :class:`RuleSet` on them is therefore exact: the same function, the same
 inputs, only the rules differ. Degraded decisions are re-evaluated without a

@@ -21,7 +21,6 @@ contradict the first one because Redis was slow.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -32,6 +31,7 @@ import orjson
 
 from app.contract import Transaction
 from app.redis_client import is_cluster_client
+from app.redis_keys import decision_keys
 from pipeline.feature_store import TTLCache
 
 __all__ = [
@@ -40,8 +40,6 @@ __all__ = [
     "InMemoryDecisionCache",
     "LocalFirstCache",
     "RedisDecisionCache",
-    "content_hash",
-    "decision_keys",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,24 +53,6 @@ class _Unchecked:
 
 
 UNCHECKED: Any = _Unchecked()
-
-_CONTENT_FIELDS = ("user_id", "amount", "currency", "merchant_id", "device_id", "lat", "lon", "timestamp")
-
-
-def content_hash(tx: Transaction) -> str:
-    """What makes two messages the same payment, whatever their ids."""
-    canonical = orjson.dumps([getattr(tx, f) for f in _CONTENT_FIELDS])
-    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
-
-
-# NOTE: hash-tagged by user, as the user's features and rate bucket: on a Redis
-# Cluster a transaction's two entries share a slot (and node) with the rest of
-# what its batch reads for that user. A resend carries the same user; the same
-# transaction id under another user is not the same payment.
-def decision_keys(tx: Transaction) -> tuple[str, str]:
-    tag = f"{{u:{tx.user_id}}}"
-    return f"fp:dec:{tag}:id:{tx.transaction_id}", f"fp:dec:{tag}:h:{content_hash(tx)}"
-
 
 class DecisionCache(Protocol):
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:

@@ -23,6 +23,7 @@ import numpy as np
 from app.contract import Transaction
 from app.errors import FeatureStoreError
 from app.redis_client import is_cluster_client
+from app.redis_keys import merchant_key, profile_key, velocity_key
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
@@ -37,9 +38,6 @@ __all__ = [
     "InMemoryFeatureStore",
     "RedisFeatureStore",
     "TTLCache",
-    "merchant_key",
-    "profile_key",
-    "velocity_key",
     "velocity_member",
 ]
 
@@ -86,20 +84,6 @@ for i = n + 1, #KEYS do
 end
 return out
 """
-
-
-# NOTE: the braces are Redis Cluster hash tags: a user's keys share one slot, so
-# a batch's pipeline needs no cross-slot redirects for one user's reads/writes.
-def profile_key(user_id: str) -> str:
-    return f"fp:{{u:{user_id}}}:profile"
-
-
-def velocity_key(user_id: str) -> str:
-    return f"fp:{{u:{user_id}}}:vel"
-
-
-def merchant_key(merchant_id: str) -> str:
-    return f"fp:{{m:{merchant_id}}}:risk"
 
 
 def velocity_member(tx: Transaction) -> str:

@@ -38,6 +38,15 @@ from typing import Any
 import numpy as np
 import orjson
 
+from app.redis_client import is_cluster_client
+from app.redis_keys import (
+    QUALITY_PREFIX,
+    quality_decided_key,
+    quality_joined_at_key,
+    quality_joined_key,
+    quality_label_key,
+    quality_served_key,
+)
 from pipeline.labels import Label
 
 __all__ = [
@@ -298,42 +307,66 @@ def format_quality(report: Mapping[str, Any]) -> str:
 class RedisQualityStore:
     """The join in Redis, shared by every worker and kept across restarts.
 
-    Keys (prefix ``quality:``): ``fb:<txid>`` a decision waiting for its label,
-    ``lab:<txid>`` a label waiting for its decision (both expire after the join
-    window), ``decided`` a hash of decision counts per model/rule/action,
-    ``joined`` a hash txid -> joined row, ``joined-at`` a sorted set by decision
-    time that bounds ``joined`` to ``max_joined`` rows.
+    Keys (app/redis_keys.py, under ``prefix``): ``fb:<txid>`` a decision
+    waiting for its label, ``lab:<txid>`` a label waiting for its decision (both
+    expire after the join window), ``decided`` a hash of decision counts per
+    model/rule/action, ``joined`` a hash txid -> joined row, ``joined-at`` a
+    sorted set by decision time that bounds ``joined`` to ``max_joined`` rows.
 
-    NOTE: each side writes itself, then reads the other, in one MULTI: of two
-    concurrent arrivals at least one sees the other (both writes cannot come
-    after both reads), and writing a joined row twice is harmless.
+    NOTE: each side writes itself, then reads the other (:meth:`_set_then_get`):
+    of two concurrent arrivals at least one sees the other (both writes cannot
+    come after both reads), and writing a joined row twice is harmless.
     """
 
     def __init__(self, client: Any, *, ttl_s: int = 120 * 86400, max_joined: int = 200_000,
-                 prefix: str = "quality:") -> None:  # fmt: skip
+                 prefix: str = QUALITY_PREFIX) -> None:  # fmt: skip
         self.client = client
         self.ttl_s = int(ttl_s)
         self.max_joined = max_joined
         self.prefix = prefix
+        self._cluster = is_cluster_client(client)
 
-    def _k(self, name: str) -> str:
-        return self.prefix + name
+    async def _set_then_get(
+        self, sets: list[tuple[str, bytes]], gets: list[str], *, nx: bool
+    ) -> tuple[list[Any], list[Any]]:
+        """SET each of ``sets`` (with the TTL), then GET each of ``gets``: the SET replies and the values.
+
+        One server: one MULTI. NOTE: a Redis Cluster refuses a MULTI over
+        several slots, and these keys carry no hash tag (their bytes stay those
+        of the figures already stored), so there the writes are acknowledged
+        before the reads are sent: two round trips, and still no read can come
+        before its own side's write.
+        """
+        if self._cluster:
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in sets:
+                pipe.set(key, value, nx=nx, ex=self.ttl_s)
+            written = await pipe.execute()
+            pipe = self.client.pipeline(transaction=False)
+            for key in gets:
+                pipe.get(key)
+            return written, await pipe.execute()
+        pipe = self.client.pipeline(transaction=True)
+        for (key, value), other in zip(sets, gets, strict=True):
+            pipe.set(key, value, nx=nx, ex=self.ttl_s)
+            pipe.get(other)
+        results = await pipe.execute()
+        return results[0::2], results[1::2]
 
     async def add_served(self, served: list[Served]) -> int:
         """Record decisions; returns how many joined a waiting label."""
         if not served:
             return 0
-        pipe = self.client.pipeline(transaction=True)
-        for s in served:
-            pipe.set(self._k(f"fb:{s.transaction_id}"), s.to_json(), nx=True, ex=self.ttl_s)
-            pipe.get(self._k(f"lab:{s.transaction_id}"))
-        results = await pipe.execute()
+        written, waiting_labels = await self._set_then_get(
+            [(quality_served_key(self.prefix, s.transaction_id), s.to_json()) for s in served],
+            [quality_label_key(self.prefix, s.transaction_id) for s in served],
+            nx=True,
+        )
         pipe = self.client.pipeline(transaction=False)
         joined = 0
-        for i, s in enumerate(served):
-            new, waiting = results[2 * i], results[2 * i + 1]
+        for s, new, waiting in zip(served, written, waiting_labels, strict=True):
             if new:  # NX: a redelivered record is counted once
-                pipe.hincrby(self._k("decided"), "|".join(decided_key(s)), 1)
+                pipe.hincrby(quality_decided_key(self.prefix), "|".join(decided_key(s)), 1)
             if waiting is not None:
                 self._write_joined(pipe, Joined.of(s, _label_from_json(waiting)))
                 joined += 1
@@ -344,15 +377,14 @@ class RedisQualityStore:
         """Record labels; returns how many joined a decision."""
         if not labels:
             return 0
-        pipe = self.client.pipeline(transaction=True)
-        for label in labels:
-            pipe.set(self._k(f"lab:{label.transaction_id}"), _label_to_json(label), ex=self.ttl_s)
-            pipe.get(self._k(f"fb:{label.transaction_id}"))
-        results = await pipe.execute()
+        _, waiting_decisions = await self._set_then_get(
+            [(quality_label_key(self.prefix, label.transaction_id), _label_to_json(label)) for label in labels],
+            [quality_served_key(self.prefix, label.transaction_id) for label in labels],
+            nx=False,
+        )
         pipe = self.client.pipeline(transaction=False)
         joined = 0
-        for i, label in enumerate(labels):
-            served = results[2 * i + 1]
+        for label, served in zip(labels, waiting_decisions, strict=True):
             if served is not None:
                 self._write_joined(pipe, Joined.of(Served.from_json(served), label))
                 joined += 1
@@ -363,18 +395,18 @@ class RedisQualityStore:
 
     def _write_joined(self, pipe: Any, joined: Joined) -> None:
         txid = joined.served.transaction_id
-        pipe.hset(self._k("joined"), txid, joined.to_json())
-        pipe.zadd(self._k("joined-at"), {txid: joined.served.decided_at})
+        pipe.hset(quality_joined_key(self.prefix), txid, joined.to_json())
+        pipe.zadd(quality_joined_at_key(self.prefix), {txid: joined.served.decided_at})
 
     async def _trim(self) -> None:
-        excess = await self.client.zcard(self._k("joined-at")) - self.max_joined
+        excess = await self.client.zcard(quality_joined_at_key(self.prefix)) - self.max_joined
         if excess > 0:
-            oldest = await self.client.zpopmin(self._k("joined-at"), excess)
-            await self.client.hdel(self._k("joined"), *[m for m, _ in oldest])
+            oldest = await self.client.zpopmin(quality_joined_at_key(self.prefix), excess)
+            await self.client.hdel(quality_joined_key(self.prefix), *[m for m, _ in oldest])
 
     async def snapshot(self) -> tuple[list[Joined], Counter[DecidedKey]]:
-        rows = await self.client.hgetall(self._k("joined"))
-        counts = await self.client.hgetall(self._k("decided"))
+        rows = await self.client.hgetall(quality_joined_key(self.prefix))
+        counts = await self.client.hgetall(quality_decided_key(self.prefix))
         decided: Counter[DecidedKey] = Counter()
         for field, n in counts.items():
             key = (field.decode() if isinstance(field, bytes) else field).split("|")

@@ -41,6 +41,7 @@ from redis.exceptions import NoScriptError
 
 from app.errors import ConfigError
 from app.redis_client import is_cluster_client
+from app.redis_keys import client_bucket_key, user_bucket_key
 from pipeline.validate import Rejection
 
 __all__ = [
@@ -54,9 +55,7 @@ __all__ = [
     "RateDecision",
     "RateLimiter",
     "RedisRateLimiter",
-    "client_bucket_key",
     "slot_groups",
-    "user_bucket_key",
 ]
 
 Bucket = Literal["client", "user"]
@@ -111,14 +110,6 @@ for i = 1, #KEYS do
 end
 return out
 """
-
-
-def client_bucket_key(client_id: str) -> str:
-    return f"fp:rl:{{c:{client_id}}}"
-
-
-def user_bucket_key(user_id: str) -> str:
-    return f"fp:rl:{{u:{user_id}}}"
 
 
 @dataclass(frozen=True, slots=True)

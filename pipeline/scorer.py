@@ -23,18 +23,19 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
 
 from app.contract import Decision, Transaction
+from app.redis_keys import content_hash
 from pipeline.admission import Admission
 from pipeline.auth import UNSIGNED, AuthResult
-from pipeline.cache import UNCHECKED, DecisionCache, content_hash
+from pipeline.cache import UNCHECKED, DecisionCache
 from pipeline.decide import explain
 from pipeline.drift import DriftMonitor
 from pipeline.feature_store import Enrichment, FeatureStore
@@ -90,6 +91,8 @@ class BatchOutput:
     outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
     """Decisions produced, by (action, cached)."""
     to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
+    cache_origins: list[int | None] = field(default_factory=list)
+    """The input partition of each ``to_cache`` entry (index for index)."""
     extra_monitoring: list[bytes] = field(default_factory=list)
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
     shadow: _ShadowWork | None = None
@@ -99,6 +102,14 @@ class BatchOutput:
     )
     """Per list above, the input partition each record came from (index for
     index): the agent commits each partition's records with its offsets."""
+
+    def cacheable(self, committed: Collection[int]) -> list[tuple[Transaction, dict[str, Any]]]:
+        """The decisions to store for resends: only those whose input partition
+        committed. A fenced partition's decisions were never visible; caching
+        them would answer its new owner's first decision as a resend."""
+        return [
+            entry for entry, origin in zip(self.to_cache, self.cache_origins) if origin is None or origin in committed
+        ]
 
     def add(self, kind: str, origin: Inbound, key: bytes | None, value: bytes) -> None:
         """Append to ``decisions``, ``dead_letters`` or ``feedback``, noting where it came from."""
@@ -132,6 +143,36 @@ class _ShadowWork:
     """Index in ``BatchOutput.feedback`` of each row's record."""
     docs: list[dict[str, Any]]
     """Those feedback records, unserialised, to add the shadow's verdict to."""
+
+
+@dataclass
+class _Evidence:
+    """What a batch's fresh transactions are decided on, filled in stage by stage."""
+
+    txs: list[Transaction]
+    enrichments: list[Enrichment] | None = None
+    """None when the feature store failed (or there was nothing to enrich)."""
+    rows: list[list[float]] = field(default_factory=list)
+    matrix: np.ndarray | None = None
+    prediction: Prediction | None = None
+    degraded_reason: str | None = None
+    """Why the batch has no model scores, if it has none."""
+
+    @property
+    def scores(self) -> np.ndarray | None:
+        return self.prediction.scores if self.prediction is not None else None
+
+
+class _Draft(NamedTuple):
+    """One fresh transaction's decision before it is written out."""
+
+    msg: Inbound
+    tx: Transaction
+    score: float | None
+    action: str
+    words: list[str]
+    rule: str
+    tally: MerchantTally | None
 
 
 class _Clock:
@@ -231,18 +272,7 @@ class Scorer:
         stats: Counter[str] = Counter(batch=len(batch))
 
         # 1. authenticate, then validate
-        valid: list[tuple[Inbound, Transaction]] = []
-        auths: dict[int, AuthResult] = {}
-        for msg in batch:
-            auth = self.admission.authenticate(msg.value, msg.headers, now) if self.admission else UNSIGNED
-            checked = auth if isinstance(auth, Rejection) else validate(msg.value, now, self.limits)
-            if isinstance(checked, Rejection):
-                self._reject(out, msg, checked, now)
-                stats["rejected"] += 1
-                stats[f"rejected_{checked.code}"] += 1
-            else:
-                valid.append((msg, checked))
-                auths[id(msg)] = auth  # type: ignore[assignment]
+        valid, auths = self._validate(batch, out, now, stats)
         clock.lap("validate")
 
         # 2. cache: resends are answered as before and go no further
@@ -257,62 +287,118 @@ class Scorer:
         clock.lap("validate")  # replay and rate checks count as admission, i.e. validation
 
         # 3. enrich: one round trip for the batch
-        txs = [tx for _, tx in fresh]
-        enrichments: list[Enrichment] | None = None
-        degraded_reason = None
-        if txs:
-            try:
-                enrichments = await self.store.enrich(txs)
-            except Exception as exc:
-                degraded_reason = "feature store unavailable"
-                log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
-        rows = [
-            feature_row(tx, e.profile, e.merchant, e.velocity) for tx, e in zip(txs, enrichments or [])
-        ]
+        evidence = await self._enrich([tx for _, tx in fresh])
         clock.lap("features")
 
         # 4. ensemble under its budget
-        prediction = None
-        matrix = feature_matrix(rows) if rows else None
-        if matrix is not None and self.model is not None:
-            prediction, degraded_reason = await self._predict(matrix)
-        elif txs and self.model is None:
-            degraded_reason = degraded_reason or "no model loaded"
+        await self._predict_under_budget(evidence)
         clock.lap("model")
 
         # 5. rules and the decision
-        scores = prediction.scores if prediction is not None else None
+        drafts = self._decide(fresh, evidence, unchecked)
+        clock.lap("rules")
+
+        # 6. emit: decisions with their feedback, in-batch resends, monitoring, the shadow's share
+        records, feedback_docs = self._emit_decisions(out, drafts, evidence, unchecked, clock, stats)
+        for msg, tx, leader in followers:  # resent within this very batch
+            self._emit_cached(out, msg, tx, records[leader], clock)
+            stats["cached"] += 1
+        self._emit_monitoring(out, stats, clock, evidence)
+        if self.shadow is not None and evidence.matrix is not None:
+            tallies = [draft.tally for draft in drafts]
+            out.shadow = _ShadowWork(
+                self.shadow, evidence.matrix, evidence.txs, tallies, list(range(len(out.feedback))), feedback_docs
+            )
+        return out
+
+    def _validate(
+        self, batch: Sequence[Inbound], out: BatchOutput, now: float, stats: Counter[str]
+    ) -> tuple[list[tuple[Inbound, Transaction]], dict[int, AuthResult]]:
+        """Authenticate and validate each message; rejections go to ``out`` here.
+        Returns the valid ones and, by ``id`` of the message, how each authenticated."""
+        valid: list[tuple[Inbound, Transaction]] = []
+        auths: dict[int, AuthResult] = {}
+        for msg in batch:
+            auth = self.admission.authenticate(msg.value, msg.headers, now) if self.admission else UNSIGNED
+            checked = auth if isinstance(auth, Rejection) else validate(msg.value, now, self.limits)
+            if isinstance(checked, Rejection):
+                self._reject(out, msg, checked, now)
+                stats["rejected"] += 1
+                stats[f"rejected_{checked.code}"] += 1
+            else:
+                valid.append((msg, checked))
+                auths[id(msg)] = auth  # type: ignore[assignment]
+        return valid, auths
+
+    async def _enrich(self, txs: list[Transaction]) -> _Evidence:
+        """Profiles, merchant risk and velocity for the batch in one feature store
+        round trip, and the feature rows built from them; none if the store failed."""
+        evidence = _Evidence(txs)
+        if txs:
+            try:
+                evidence.enrichments = await self.store.enrich(txs)
+            except Exception as exc:
+                evidence.degraded_reason = "feature store unavailable"
+                log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
+        evidence.rows = [
+            feature_row(tx, e.profile, e.merchant, e.velocity) for tx, e in zip(txs, evidence.enrichments or [])
+        ]
+        return evidence
+
+    async def _predict_under_budget(self, evidence: _Evidence) -> None:
+        """The ensemble's prediction for the rows, or the reason there is none."""
+        evidence.matrix = feature_matrix(evidence.rows) if evidence.rows else None
+        if evidence.matrix is not None and self.model is not None:
+            evidence.prediction, evidence.degraded_reason = await self._predict(evidence.matrix)
+        elif evidence.txs and self.model is None:
+            evidence.degraded_reason = evidence.degraded_reason or "no model loaded"
+
+    def _decide(
+        self, fresh: list[tuple[Inbound, Transaction]], evidence: _Evidence, unchecked: set[str]
+    ) -> list[_Draft]:
+        """Rules over each score (or none: degraded), the action and its explanation."""
+        prediction, rows, scores = evidence.prediction, evidence.rows, evidence.scores
         drafts = []
-        tallies: list[MerchantTally | None] = []
         for i, (msg, tx) in enumerate(fresh):
             score = float(scores[i]) if scores is not None else None
             tally = self._tally(tx.merchant_id)
-            tallies.append(tally)
             outcome = evaluate_rules(self.rules, tx, score, tally)
             reasons = prediction.reasons[i] if prediction is not None and prediction.reasons else []
             words = explain(reasons, rows[i], outcome.hits) if rows else list(outcome.hits)
             if score is None:
-                words.append(f"degraded: {degraded_reason}")
+                words.append(f"degraded: {evidence.degraded_reason}")
             action = outcome.action
             if tx.transaction_id in unchecked:
                 # Maybe a resend of a payment decided before: never approve what
                 # might have been declined (pipeline/cache.py, LocalFirstCache).
                 action = "review" if action == "approve" else action
                 words.append(PROVISIONAL_REASON)
-            drafts.append((msg, tx, score, action, words, outcome.rule))
-        clock.lap("rules")
+            drafts.append(_Draft(msg, tx, score, action, words, outcome.rule, tally))
+        return drafts
 
+    def _emit_decisions(
+        self,
+        out: BatchOutput,
+        drafts: list[_Draft],
+        evidence: _Evidence,
+        unchecked: set[str],
+        clock: _Clock,
+        stats: Counter[str],
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Each draft's decision (also to cache) and feedback record; returns both
+        documents, index for index with ``drafts``."""
         decided = self.wall_clock()
         records: list[dict[str, Any]] = []
         feedback_docs: list[dict[str, Any]] = []
-        for i, (msg, tx, score, action, words, rule) in enumerate(drafts):
-            enrichment = enrichments[i] if enrichments else None
+        for i, draft in enumerate(drafts):
+            msg, tx, score, action = draft.msg, draft.tx, draft.score, draft.action
+            enrichment = evidence.enrichments[i] if evidence.enrichments else None
             decision = Decision(
                 transaction_id=tx.transaction_id,
                 user_id=tx.user_id,
                 fraud_score=round(score, 6) if score is not None else _fallback_score(action),
                 action=action,  # type: ignore[arg-type]
-                explanation=words,
+                explanation=draft.words,
                 model_version=self.model.version if score is not None and self.model else None,
                 rules_version=self.rules.version,
                 degraded=score is None,
@@ -327,23 +413,24 @@ class Scorer:
             out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
             out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, record))
-            doc = self._feedback(tx, record, rows[i] if rows else None, rule, tallies[i])
+            out.cache_origins.append(msg.partition)
+            row = evidence.rows[i] if evidence.rows else None
+            doc = self._feedback(tx, record, row, draft.rule, draft.tally)
             feedback_docs.append(doc)
             out.add("feedback", msg, tx.transaction_id.encode(), orjson.dumps(doc))
             stats[action] += 1
             stats["degraded"] += score is None
             stats["provisional"] += tx.transaction_id in unchecked
-        for msg, tx, leader in followers:  # resent within this very batch
-            self._emit_cached(out, msg, tx, records[leader], clock)
-            stats["cached"] += 1
-        out.monitoring = self._monitoring(stats, clock, scores, degraded_reason if stats["degraded"] else None)
-        if self.drift is not None and scores is not None and matrix is not None:
-            window = self.drift.observe(matrix, scores)
+        return records, feedback_docs
+
+    def _emit_monitoring(self, out: BatchOutput, stats: Counter[str], clock: _Clock, evidence: _Evidence) -> None:
+        """The batch's monitoring record, plus a drift window when one closes."""
+        scores = evidence.scores
+        out.monitoring = self._monitoring(stats, clock, scores, evidence.degraded_reason if stats["degraded"] else None)
+        if self.drift is not None and scores is not None and evidence.matrix is not None:
+            window = self.drift.observe(evidence.matrix, scores)
             if window is not None:
                 out.extra_monitoring.append(orjson.dumps({**window, "at": self.wall_clock()}))
-        if self.shadow is not None and matrix is not None:
-            out.shadow = _ShadowWork(self.shadow, matrix, txs, tallies, list(range(len(out.feedback))), feedback_docs)
-        return out
 
     async def finish(self, out: BatchOutput) -> None:
         """Score the batch with the shadow model and add its verdict to the

@@ -177,7 +177,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from agents.feedback import quality_prefix
+    from app.redis_keys import quality_prefix
     from app.settings import get_settings
     from pipeline.quality import JoinLedger, RedisQualityStore, format_quality, quality_report, served_from_feedback
 
@@ -194,12 +194,13 @@ def cmd_report(args: argparse.Namespace) -> int:
             ledger.add_label(label)
         report = quality_report(ledger.joined.values(), ledger.decided)
     else:
-        import redis.asyncio as aioredis
+        from app.redis_client import BATCH_TIMEOUT_S, async_client
 
         async def snapshot() -> Any:
-            client = aioredis.Redis.from_url(settings.redis_url)
+            # One server or a Redis Cluster, as the workers' (one-off: a batch job's timeout).
+            client = async_client(settings, timeout_s=BATCH_TIMEOUT_S)
             try:
-                return await RedisQualityStore(client, prefix=quality_prefix(settings)).snapshot()
+                return await RedisQualityStore(client, prefix=quality_prefix(settings.app_id)).snapshot()
             finally:
                 await client.aclose()
 
@@ -343,7 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fraud-pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_data_commands(sub)
+    _add_lifecycle_commands(sub)
+    _add_service_commands(sub)
+    _add_setup_commands(sub)
+    _add_scale_commands(sub)
+    return parser
 
+
+def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """simulate, materialize, train: data in, features to Redis, a model out."""
     p = sub.add_parser("simulate", help="generate labelled transactions")
     p.add_argument("--users", type=int, default=5000)
     p.add_argument("--merchants", type=int, default=10000)
@@ -374,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds-scale", type=float, default=1.0, help="multiply each member's boosting rounds")
     p.set_defaults(func=cmd_train)
 
+
+def _add_lifecycle_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """models, rules, report: what serves, and how well it decides."""
     p = sub.add_parser("models", help="list, promote, roll back or shadow model versions")
     p.add_argument("action", choices=["list", "promote", "rollback", "shadow"])
     p.add_argument("version", nargs="?", help="promote/shadow: the version (shadow off: stop the shadow)")
@@ -397,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_report)
 
+
+def _add_service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """worker, gateway, loadgen: run the pipeline and put load on it."""
     p = sub.add_parser("worker", help="run a scoring worker")
     p.add_argument("--web-port", type=int, help="faust web port (one per worker on a machine)")
     p.add_argument(
@@ -430,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of transactions also labelled with the simulator's ground truth (feedback loop demos)")
     p.set_defaults(func=cmd_loadgen)
 
+
+def _add_setup_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """keys, topics, stack: what the services need before they start."""
     p = sub.add_parser("keys", help="create a producer client key (HMAC signing)")
     p.add_argument("client", help="the producing client's id, e.g. pos-eu-1")
     p.add_argument("--file", type=Path, default=Path("config/client-keys.json"))
@@ -443,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["up", "down", "status"])
     p.set_defaults(func=cmd_stack)
 
+
+def _add_scale_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """scale advise: how many workers the measured load needs."""
     p = sub.add_parser("scale", help="autoscaling advice from consumer lag and measured throughput")
     scale = p.add_subparsers(dest="scale_command", required=True)
     p = scale.add_parser(
@@ -464,7 +486,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--current-workers", type=int, help="workers running now (default: the number scraped)")
     p.add_argument("--json", action="store_true", help="print the measurement and advice as JSON")
     p.set_defaults(func=cmd_scale)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

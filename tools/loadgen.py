@@ -103,186 +103,231 @@ def _signer(settings: Settings) -> Any:
 
 
 async def run_load(cfg: LoadConfig) -> dict[str, Any]:
-    from tools.simulator import LiveTransactions
-
-    s = cfg.settings
-    source = LiveTransactions(_population(cfg.data), seed=cfg.seed, fraud_rate=cfg.fraud_rate)
-    signer = _signer(s)
-    auth = kafka_auth(s)
-    producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, linger_ms=2, **auth)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=s.kafka_bootstrap, group_id=None, enable_auto_commit=False,
-        fetch_max_wait_ms=20, isolation_level="read_committed", **auth,
-    )
-    await producer.start()
-    await consumer.start()
-    sent_at: dict[str, float] = {}
-    measured_ids: set[str] = set()  # sent after the warm-up
-    latencies: list[float] = []  # of measured transactions only
-    gen_lag: list[float] = []  # ms each measured send ran behind its schedule
-    stages: defaultdict[str, list[float]] = defaultdict(list)  # the decisions' own latency_ms
-    window: list[float] = []
-    actions: Counter[str] = Counter()
-    flags: Counter[str] = Counter()
-    timeline: list[dict[str, Any]] = []
-    marks: dict[str, float] = {}  # monotonic time of each timeline event
-    received: list[float] = []  # monotonic arrival time of every matched decision
-    received_ms: list[float] = []  # their latencies, when cfg.record_decisions
+    load = _LoadRun(cfg)
+    await load.connect()
     try:
+        await load.follow_decisions()
+        sent, send_s = await load.drive()
+    finally:
+        await load.close()
+    summary = load.summarise(sent, send_s)
+    if not cfg.quiet:
+        _print_summary(cfg, summary)
+    return summary
+
+
+class _LoadRun:
+    """One load run: its clients, what it sent when, and the decisions read back."""
+
+    def __init__(self, cfg: LoadConfig) -> None:
+        from tools.simulator import LiveTransactions
+
+        self.cfg = cfg
+        s = self.settings = cfg.settings
+        self.source = LiveTransactions(_population(cfg.data), seed=cfg.seed, fraud_rate=cfg.fraud_rate)
+        self.signer = _signer(s)
+        auth = kafka_auth(s)
+        self.producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, linger_ms=2, **auth)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap, group_id=None, enable_auto_commit=False,
+            fetch_max_wait_ms=20, isolation_level="read_committed", **auth,
+        )  # fmt: skip
+        self.sent_at: dict[str, float] = {}
+        self.measured_ids: set[str] = set()  # sent after the warm-up
+        self.latencies: list[float] = []  # of measured transactions only
+        self.gen_lag: list[float] = []  # ms each measured send ran behind its schedule
+        self.stages: defaultdict[str, list[float]] = defaultdict(list)  # the decisions' own latency_ms
+        self.window: list[float] = []
+        self.actions: Counter[str] = Counter()
+        self.flags: Counter[str] = Counter()
+        self.timeline: list[dict[str, Any]] = []
+        self.marks: dict[str, float] = {}  # monotonic time of each timeline event
+        self.received: list[float] = []  # monotonic arrival time of every matched decision
+        self.received_ms: list[float] = []  # their latencies, when cfg.record_decisions
+        self.done_sending = asyncio.Event()
+        self.t_start = 0.0
+
+    async def connect(self) -> None:
+        await self.producer.start()
+        await self.consumer.start()
+
+    async def close(self) -> None:
+        await self.producer.stop()
+        await self.consumer.stop()
+
+    async def follow_decisions(self) -> None:
+        """Read every partition of ``decisions`` from its current end: only this run's decisions count."""
+        s = self.settings
         tps = [TopicPartition(s.topic_decisions, p) for p in range(s.partitions)]
-        consumer.assign(tps)
-        ends = await consumer.end_offsets(tps)
+        self.consumer.assign(tps)
+        ends = await self.consumer.end_offsets(tps)
         for tp in tps:
-            consumer.seek(tp, ends.get(tp, 0))
+            self.consumer.seek(tp, ends.get(tp, 0))
 
-        done_sending = asyncio.Event()
-
-        def snapshot(event: str | None = None) -> None:
-            now = time.monotonic()
-            entry: dict[str, Any] = {
-                "t": round(now - t_start, 3),
-                "in_flight": len(sent_at),
-                "decided": len(received),
-            }
-            if event:
-                entry["event"] = event
-                marks[event] = now
-            if cfg.sample is not None:
-                entry.update(cfg.sample())
-            timeline.append(entry)
-
-        async def produce() -> int:
-            rng = np.random.default_rng(cfg.seed + 1)
-            label_rng = np.random.default_rng(cfg.seed + 2)
-            start = time.monotonic()
-            next_at = start
-            count = 0
-            warm = cfg.warmup_s > 0
-            if not warm:
-                snapshot("measure_start")
-            while next_at - start < cfg.duration_s:
-                delay = next_at - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if warm and next_at - start >= cfg.warmup_s:
-                    warm = False
-                    snapshot("measure_start")
-                tx = source.next(time.time())
-                correlation = uuid.uuid4().hex[:16]
-                now = time.monotonic()
-                sent_at[tx["transaction_id"]] = now
-                if not warm:
-                    measured_ids.add(tx["transaction_id"])
-                    gen_lag.append((now - next_at) * 1000)
-                value = orjson.dumps(tx)
-                await producer.send(
-                    s.topic_transactions, value, key=tx["user_id"].encode(),
-                    headers=[("correlation-id", correlation.encode()), *signer(value)],
-                )
-                count += 1
-                if cfg.label_share and label_rng.random() < cfg.label_share:
-                    fraud = source.last_scenario != "legit"
-                    label = {"transaction_id": tx["transaction_id"], "label": "fraud" if fraud else "legit",
-                             "source": "chargeback" if fraud else "analyst",
-                             "labeled_at": datetime.now(UTC).isoformat(), "merchant_id": tx["merchant_id"]}  # fmt: skip
-                    await producer.send(s.topic_labels, orjson.dumps(label), key=tx["transaction_id"].encode())
-                next_at += float(rng.exponential(1.0 / cfg.rate))
-            await producer.flush()
-            snapshot("send_end")
-            done_sending.set()
-            return count
-
-        async def consume() -> None:
-            while True:
-                batches = await consumer.getmany(timeout_ms=100, max_records=5000)
-                now = time.monotonic()
-                for records in batches.values():
-                    for record in records:
-                        doc = orjson.loads(record.value)
-                        tx_id = doc.get("transaction_id")
-                        started = sent_at.pop(tx_id, None)
-                        if started is None:
-                            continue
-                        received.append(now)
-                        ms = (now - started) * 1000
-                        window.append(ms)
-                        if cfg.record_decisions:
-                            received_ms.append(round(ms, 2))
-                        if tx_id in measured_ids:
-                            latencies.append(ms)
-                            for stage, value in (doc.get("latency_ms") or {}).items():
-                                stages[stage].append(value)
-                        # A pass-through worker (bench) forwards transactions: no action.
-                        actions[doc.get("action", "none")] += 1
-                        flags["cached"] += bool(doc.get("cached"))
-                        flags["degraded"] += bool(doc.get("degraded"))
-                if done_sending.is_set() and not sent_at:
-                    return
-
-        async def report() -> None:
-            t0 = time.monotonic()
-            last = 0
-            while True:
-                await asyncio.sleep(cfg.report_every_s)
-                snapshot()
-                p = percentiles(window)
-                window.clear()
-                done = len(received)
-                if not cfg.quiet:
-                    print(
-                        f"[{time.monotonic() - t0:5.1f}s] decided {done:>7,} "
-                        f"({(done - last) / cfg.report_every_s:,.0f}/s)  in flight {len(sent_at):>5,}  "
-                        f"p50 {p['p50']} ms  p99 {p['p99']} ms  "
-                        + " ".join(f"{k}={v}" for k, v in sorted(actions.items())),
-                        flush=True,
-                    )
-                last = done
-
-        t_start = time.monotonic()
-        consumer_task = asyncio.create_task(consume())
-        reporter = asyncio.create_task(report())
-        sent = await produce()
-        send_s = time.monotonic() - t_start
+    async def drive(self) -> tuple[int, float]:
+        """Send on schedule while reading decisions and reporting, then drain;
+        returns the number sent and the seconds sending took."""
+        self.t_start = time.monotonic()
+        consumer_task = asyncio.create_task(self.consume())
+        reporter = asyncio.create_task(self.report())
+        sent = await self.produce()
+        send_s = time.monotonic() - self.t_start
         try:
-            await asyncio.wait_for(consumer_task, cfg.drain_s)
+            await asyncio.wait_for(consumer_task, self.cfg.drain_s)
         except TimeoutError:
             pass
         reporter.cancel()
-        snapshot("drained")
-    finally:
-        await producer.stop()
-        await consumer.stop()
-    # Throughput over the measured window: decisions that arrived in it, whenever
-    # sent, so a backlog drained afterwards does not count.
-    measure_from, measure_to = marks.get("measure_start", t_start), marks.get("send_end", t_start + send_s)
-    in_window = sum(1 for t in received if measure_from <= t <= measure_to)
-    window_s = measure_to - measure_from
-    summary = {
-        "offered_rate": cfg.rate,
-        "duration_s": cfg.duration_s,
-        "warmup_s": cfg.warmup_s,
-        "sent": sent,
-        "sent_rate": round(sent / send_s, 1) if send_s else 0.0,
-        "decided": len(received),
-        "measured": len(latencies),
-        "lost": len(sent_at),
-        "achieved_rate": round(in_window / window_s, 1) if window_s > 0 else 0.0,
-        "latency_ms": percentiles(latencies),
-        "generator_lag_ms": percentiles(gen_lag),
-        "stages_ms": {name: percentiles(values) for name, values in sorted(stages.items())},
-        "actions": dict(actions),
-        "cached": flags["cached"],
-        "degraded": flags["degraded"],
-        "timeline": timeline,
-    }
-    if cfg.record_decisions:
-        summary["decisions"] = {"t": [round(t - t_start, 3) for t in received], "latency_ms": received_ms}
-    if not cfg.quiet:
-        lat = summary["latency_ms"]
-        print(
-            f"sent {sent:,} at {cfg.rate:,.0f}/s offered; decided {summary['decided']:,} "
-            f"({summary['achieved_rate']:,.0f}/s), without decision {summary['lost']}; "
-            f"latency p50 {lat['p50']} ms, p95 {lat['p95']} ms, p99 {lat['p99']} ms, max {lat['max']} ms; "
-            f"actions {dict(actions)}; degraded {flags['degraded']}"
-        )
-    return summary
+        self.snapshot("drained")
+        return sent, send_s
+
+    def snapshot(self, event: str | None = None) -> None:
+        now = time.monotonic()
+        entry: dict[str, Any] = {
+            "t": round(now - self.t_start, 3),
+            "in_flight": len(self.sent_at),
+            "decided": len(self.received),
+        }
+        if event:
+            entry["event"] = event
+            self.marks[event] = now
+        if self.cfg.sample is not None:
+            entry.update(self.cfg.sample())
+        self.timeline.append(entry)
+
+    async def produce(self) -> int:
+        """Poisson arrivals for ``duration_s``; the first ``warmup_s`` are not measured."""
+        cfg = self.cfg
+        rng = np.random.default_rng(cfg.seed + 1)
+        label_rng = np.random.default_rng(cfg.seed + 2)
+        start = time.monotonic()
+        next_at = start
+        count = 0
+        warm = cfg.warmup_s > 0
+        if not warm:
+            self.snapshot("measure_start")
+        while next_at - start < cfg.duration_s:
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if warm and next_at - start >= cfg.warmup_s:
+                warm = False
+                self.snapshot("measure_start")
+            tx = self.source.next(time.time())
+            correlation = uuid.uuid4().hex[:16]
+            now = time.monotonic()
+            self.sent_at[tx["transaction_id"]] = now
+            if not warm:
+                self.measured_ids.add(tx["transaction_id"])
+                self.gen_lag.append((now - next_at) * 1000)
+            value = orjson.dumps(tx)
+            await self.producer.send(
+                self.settings.topic_transactions, value, key=tx["user_id"].encode(),
+                headers=[("correlation-id", correlation.encode()), *self.signer(value)],
+            )  # fmt: skip
+            count += 1
+            if cfg.label_share and label_rng.random() < cfg.label_share:
+                await self.send_label(tx)
+            next_at += float(rng.exponential(1.0 / cfg.rate))
+        await self.producer.flush()
+        self.snapshot("send_end")
+        self.done_sending.set()
+        return count
+
+    async def send_label(self, tx: dict[str, Any]) -> None:
+        """Label ``tx`` with the simulator's ground truth, as a chargeback or an analyst would."""
+        fraud = self.source.last_scenario != "legit"
+        label = {"transaction_id": tx["transaction_id"], "label": "fraud" if fraud else "legit",
+                 "source": "chargeback" if fraud else "analyst",
+                 "labeled_at": datetime.now(UTC).isoformat(), "merchant_id": tx["merchant_id"]}  # fmt: skip
+        await self.producer.send(self.settings.topic_labels, orjson.dumps(label), key=tx["transaction_id"].encode())
+
+    async def consume(self) -> None:
+        """Match decisions to sends until sending is done and none is outstanding."""
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=5000)
+            now = time.monotonic()
+            for records in batches.values():
+                for record in records:
+                    self.collect(orjson.loads(record.value), now)
+            if self.done_sending.is_set() and not self.sent_at:
+                return
+
+    def collect(self, doc: dict[str, Any], now: float) -> None:
+        tx_id = doc.get("transaction_id")
+        started = self.sent_at.pop(tx_id, None)
+        if started is None:
+            return
+        self.received.append(now)
+        ms = (now - started) * 1000
+        self.window.append(ms)
+        if self.cfg.record_decisions:
+            self.received_ms.append(round(ms, 2))
+        if tx_id in self.measured_ids:
+            self.latencies.append(ms)
+            for stage, value in (doc.get("latency_ms") or {}).items():
+                self.stages[stage].append(value)
+        # A pass-through worker (bench) forwards transactions: no action.
+        self.actions[doc.get("action", "none")] += 1
+        self.flags["cached"] += bool(doc.get("cached"))
+        self.flags["degraded"] += bool(doc.get("degraded"))
+
+    async def report(self) -> None:
+        """A timeline entry, and unless quiet a progress line, every ``report_every_s``."""
+        cfg = self.cfg
+        t0 = time.monotonic()
+        last = 0
+        while True:
+            await asyncio.sleep(cfg.report_every_s)
+            self.snapshot()
+            p = percentiles(self.window)
+            self.window.clear()
+            done = len(self.received)
+            if not cfg.quiet:
+                print(
+                    f"[{time.monotonic() - t0:5.1f}s] decided {done:>7,} "
+                    f"({(done - last) / cfg.report_every_s:,.0f}/s)  in flight {len(self.sent_at):>5,}  "
+                    f"p50 {p['p50']} ms  p99 {p['p99']} ms  "
+                    + " ".join(f"{k}={v}" for k, v in sorted(self.actions.items())),
+                    flush=True,
+                )
+            last = done
+
+    def summarise(self, sent: int, send_s: float) -> dict[str, Any]:
+        cfg, t_start = self.cfg, self.t_start
+        # Throughput over the measured window: decisions that arrived in it, whenever
+        # sent, so a backlog drained afterwards does not count.
+        measure_from = self.marks.get("measure_start", t_start)
+        measure_to = self.marks.get("send_end", t_start + send_s)
+        in_window = sum(1 for t in self.received if measure_from <= t <= measure_to)
+        window_s = measure_to - measure_from
+        summary = {
+            "offered_rate": cfg.rate,
+            "duration_s": cfg.duration_s,
+            "warmup_s": cfg.warmup_s,
+            "sent": sent,
+            "sent_rate": round(sent / send_s, 1) if send_s else 0.0,
+            "decided": len(self.received),
+            "measured": len(self.latencies),
+            "lost": len(self.sent_at),
+            "achieved_rate": round(in_window / window_s, 1) if window_s > 0 else 0.0,
+            "latency_ms": percentiles(self.latencies),
+            "generator_lag_ms": percentiles(self.gen_lag),
+            "stages_ms": {name: percentiles(values) for name, values in sorted(self.stages.items())},
+            "actions": dict(self.actions),
+            "cached": self.flags["cached"],
+            "degraded": self.flags["degraded"],
+            "timeline": self.timeline,
+        }
+        if cfg.record_decisions:
+            summary["decisions"] = {"t": [round(t - t_start, 3) for t in self.received], "latency_ms": self.received_ms}
+        return summary
+
+
+def _print_summary(cfg: LoadConfig, summary: dict[str, Any]) -> None:
+    lat = summary["latency_ms"]
+    print(
+        f"sent {summary['sent']:,} at {cfg.rate:,.0f}/s offered; decided {summary['decided']:,} "
+        f"({summary['achieved_rate']:,.0f}/s), without decision {summary['lost']}; "
+        f"latency p50 {lat['p50']} ms, p95 {lat['p95']} ms, p99 {lat['p99']} ms, max {lat['max']} ms; "
+        f"actions {summary['actions']}; degraded {summary['degraded']}"
+    )

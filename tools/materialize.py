@@ -20,13 +20,8 @@ import pandas as pd
 import redis
 from tqdm import tqdm
 
-from pipeline.feature_store import (
-    VELOCITY_RETENTION_S,
-    merchant_key,
-    profile_key,
-    velocity_key,
-    velocity_member,
-)
+from app.redis_keys import MATERIALIZE_META_KEY, merchant_key, profile_key, velocity_key
+from pipeline.feature_store import VELOCITY_RETENTION_S, velocity_member
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
@@ -38,7 +33,6 @@ from pipeline.features import (
 
 __all__ = ["MaterializeResult", "materialize"]
 
-META_KEY = "fp:meta"
 CHUNK = 1000
 T = TypeVar("T")
 
@@ -91,7 +85,7 @@ def materialize(
         bar.update(len(chunk))
     bar.close()
     client.hset(
-        META_KEY,
+        MATERIALIZE_META_KEY,
         mapping={
             "feature_set": FEATURE_SET_VERSION,
             "as_of": repr(as_of),

@@ -395,7 +395,9 @@ async def _list_topics(bootstrap: str, timeout: float) -> None:
 
 
 def _ping(url: str, timeout: float) -> None:
-    # No client-side retries: _poll retries, under one deadline.
+    # No client-side retries: _poll retries, under one deadline. A plain client,
+    # not app.redis_client's: this probes one redis-server process just spawned
+    # (a cluster node before its cluster exists), not the configured store.
     client = redis.Redis.from_url(
         url, socket_connect_timeout=timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0)
     )

@@ -13,7 +13,8 @@ import redis
 import redis.asyncio as aioredis
 
 from app.contract import Transaction
-from pipeline.feature_store import RedisFeatureStore, profile_key, velocity_key
+from app.redis_keys import MATERIALIZE_META_KEY, merchant_key, profile_key, velocity_key
+from pipeline.feature_store import RedisFeatureStore
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
@@ -24,7 +25,7 @@ from pipeline.features import (
     prepare_history,
     training_matrix,
 )
-from tools.materialize import META_KEY, materialize
+from tools.materialize import materialize
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,7 @@ def test_materialize_round_trip_and_rerun_is_idempotent(
     assert stored[b"feature_set"].decode() == FEATURE_SET_VERSION
     assert float(stored[b"as_of"]) == result.as_of
     assert 0 < redis_client.ttl(profile_key(user)) <= 3600
-    assert redis_client.hget(META_KEY, "users") == str(len(expected)).encode()
+    assert redis_client.hget(MATERIALIZE_META_KEY, "users") == str(len(expected)).encode()
 
     snapshot = {key: redis_client.dump(key) for key in redis_client.scan_iter("fp:*")}
     materialize(sim_frame, redis_client, ttl_s=3600, progress=False)
@@ -74,7 +75,6 @@ def test_served_features_equal_training_features(
     materialize(sim_frame[sim_frame["timestamp"] < pd.Timestamp(day, unit="s", tz="UTC")],
                 redis_client, as_of=day, progress=False)
     # Merchant risk with labels: the materialized as-of-day snapshot is what training uses too.
-    from pipeline.feature_store import merchant_key
     from pipeline.features import build_merchant_risk
 
     for merchant, risk in build_merchant_risk(history, day).items():

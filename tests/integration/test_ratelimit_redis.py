@@ -18,15 +18,14 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from pipeline.auth import InMemoryReplayGuard, RedisReplayGuard, signature_key
+from app.redis_keys import client_bucket_key, signature_key, user_bucket_key
+from pipeline.auth import InMemoryReplayGuard, RedisReplayGuard
 from pipeline.ratelimit import (
     ALLOWED,
     TOKEN_BUCKET_SCRIPT,
     InMemoryRateLimiter,
     RateDecision,
     RedisRateLimiter,
-    client_bucket_key,
-    user_bucket_key,
 )
 
 pytestmark = pytest.mark.integration

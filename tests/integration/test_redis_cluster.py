@@ -1,13 +1,17 @@
-"""The worker's Redis code on a real 3-node Redis Cluster (local redis-servers).
+"""The project's Redis code on a real 3-node Redis Cluster (local redis-servers).
 
 The cluster is chosen the way an operator chooses it, by a ``redis+cluster://``
-URL, and the scorer is built by ``Runtime.build_scorer`` as in the worker.
-Batches span many users, so every batch crosses slots and nodes.
+URL or ``FRAUD_REDIS_CLUSTER=true``, and every client comes from the factory
+the processes use: the scorer built by ``Runtime.build_scorer`` as in the
+worker, the feedback loop's quality store, the gateway's rate limiter, and the
+CLI's ``materialize`` and ``report quality``. Batches span many users, so every
+batch crosses slots and nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import time
@@ -20,17 +24,22 @@ import pandas as pd
 import pytest
 import redis
 
+from agents.feedback import quality_store
 from agents.score import Runtime
 from app.redis_client import async_client, sync_client
-from app.settings import Settings
+from app.redis_keys import MATERIALIZE_META_KEY, client_bucket_key, gateway_bucket_ids, profile_key, user_bucket_key
+from app.settings import Settings, get_settings
+from gateway.rest import ApiKeys, Gateway, Signer
 from pipeline.auth import RedisReplayGuard
 from pipeline.cache import RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
+from pipeline.labels import Label
+from pipeline.quality import Served
 from pipeline.ratelimit import InMemoryRateLimiter, RedisRateLimiter
 from pipeline.scorer import Inbound
 from pipeline.validate import validate
 from tests.integration.workers import RULES, TxFactory
-from tools import stack
+from tools import cli, stack
 from tools.materialize import materialize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -94,13 +103,29 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             h.stop()
 
 
+def _cli(argv: list[str], env: dict[str, str]) -> int:
+    """``fraud-pipeline ARGV`` in this process, with the operator's environment ``env``."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        get_settings.cache_clear()
+        try:
+            return cli.main(argv)
+        finally:
+            get_settings.cache_clear()
+
+
 @pytest.fixture(scope="module")
-def materialized_cluster(cluster_url: str, sim_frame: pd.DataFrame) -> str:
-    client = sync_client(Settings(redis_url=cluster_url))
-    try:
-        materialize(sim_frame, client, progress=False)
-    finally:
-        client.close()
+def materialized_cluster(
+    cluster_url: str, sim_frame: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """Materialized by ``fraud-pipeline materialize``, the cluster named by the
+    setting on a plain URL of one node (the other way to choose it)."""
+    data = tmp_path_factory.mktemp("materialize") / "transactions.parquet"
+    sim_frame.to_parquet(data)
+    plain = cluster_url.replace("redis+cluster://", "redis://")
+    env = {"FRAUD_REDIS_URL": plain, "FRAUD_REDIS_CLUSTER": "true"}
+    assert _cli(["materialize", "--data", str(data), "--quiet"], env) == 0
     return cluster_url
 
 
@@ -225,3 +250,73 @@ def test_scorer_built_for_a_cluster_url(
     assert all(d["action"] in ("approve", "review", "decline") for d in first)
     assert all(d["cached"] for d in again)
     assert [d["action"] for d in again] == [d["action"] for d in first]
+
+
+def test_cli_materialize_wrote_every_profile_across_the_nodes(materialized_cluster: str, sim_frame: pd.DataFrame) -> None:
+    client = sync_client(Settings(redis_url=materialized_cluster))
+    try:
+        meta = client.hgetall(MATERIALIZE_META_KEY)
+        users = sorted(set(sim_frame["user_id"]))
+        assert int(meta[b"users"]) == len(users)
+        pipe = client.pipeline(transaction=False)
+        for user in users:
+            pipe.exists(profile_key(user))
+        assert sum(pipe.execute()) == len(users)
+        # Spread over the cluster, not piled on the node the URL named.
+        assert all(client.dbsize(target_nodes=node) > 0 for node in client.get_primaries())
+    finally:
+        client.close()
+
+
+def test_feedback_quality_store_and_report_on_a_cluster(cluster_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The feedback loop's store (as its agents build it): decisions and labels
+    of transactions on every node join in either order, a redelivery counts
+    once; ``report quality`` reads the figures back from the cluster."""
+    app_id = "quality-on-cluster"
+    settings = Settings(redis_url=cluster_url, app_id=app_id)
+    now = time.time()
+    served = [Served(f"t-q-{i}", "v1", "r1", "score", "decline" if i % 4 == 0 else "approve", 0.5, now - 60 + i)
+              for i in range(40)]  # fmt: skip
+    labels = [Label(f"t-q-{i}", "fraud" if i % 4 == 0 else "legit", "chargeback", now) for i in range(40)]
+
+    async def go() -> None:
+        store = quality_store(settings)
+        try:
+            assert await store.add_served(served[:20]) == 0  # labels come later
+            assert await store.add_labels(labels) == 20  # ... and the rest before their decisions
+            assert await store.add_served(served[20:]) == 20
+            assert await store.add_served(served[:5]) == 5  # redelivered: joined again, not counted again
+            joined, decided = await store.snapshot()
+            assert len(joined) == 40 and sum(decided.values()) == 40
+        finally:
+            await store.client.aclose()
+
+    asyncio.run(go())
+    capsys.readouterr()
+    assert _cli(["report", "quality", "--json"], {"FRAUD_REDIS_URL": cluster_url, "FRAUD_APP_ID": app_id}) == 0
+    report = json.loads(capsys.readouterr().out)
+    flagged = report["models"]["v1"]["actions"]["flagged"]
+    assert report["models"]["v1"]["decisions"] == 40
+    assert (flagged["labelled"], flagged["fraud"], flagged["precision"]) == (10, 10, 1.0)
+
+
+def test_gateway_rate_limits_on_a_cluster(cluster_url: str) -> None:
+    """The gateway's own client and buckets (``gw:``) on the cluster: Redis answers
+    (None would be a request admitted because Redis could not say), and the
+    API client's bucket refuses past its burst."""
+    settings = Settings(redis_url=cluster_url, gateway_rate_per_s=0.001, gateway_burst=3, rate_user_per_s=1000,
+                        rate_user_burst=1000, allow_unsigned=True)  # fmt: skip
+    gw = Gateway(settings, ApiKeys({}), ApiKeys({}), Signer(settings.gateway_client_id, None))
+
+    async def go() -> None:
+        gw.start_redis()
+        try:
+            verdicts = [await gw.rate("shop-cl", f"u-gw-{i}") for i in range(5)]
+            assert None not in verdicts, "Redis did not answer: the gateway failed open"
+            assert [(v.allowed, v.bucket) for v in verdicts] == [(True, None)] * 3 + [(False, "client")] * 2
+            client_id, user_id = gateway_bucket_ids("shop-cl", "u-gw-0")
+            assert await gw.redis.exists(client_bucket_key(client_id), user_bucket_key(user_id)) == 2
+        finally:
+            await gw.stop()
+
+    asyncio.run(go())

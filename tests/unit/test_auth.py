@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from app.errors import ConfigError
+from app.redis_keys import signature_key
 from pipeline.auth import (
     AUTH_CODES,
     UNSIGNED,
@@ -21,7 +22,6 @@ from pipeline.auth import (
     InMemoryReplayGuard,
     replay_ttl_s,
     sign,
-    signature_key,
     verify,
 )
 from pipeline.validate import Rejection

@@ -8,13 +8,12 @@ from collections.abc import Sequence
 import pytest
 
 from app.errors import ConfigError
+from app.redis_keys import client_bucket_key, user_bucket_key
 from pipeline.ratelimit import (
     ALLOWED,
     InMemoryRateLimiter,
     Limit,
     RateDecision,
-    client_bucket_key,
-    user_bucket_key,
 )
 
 WIDE = 1000.0  # a limit no test reaches
