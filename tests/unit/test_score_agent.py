@@ -133,8 +133,9 @@ class Consumer:
     async def seek(self, tp: Any, offset: int) -> None:
         self.seeks.append((tp.partition, offset))
 
-    async def call_thread(self, fn: Any) -> Any:
-        return await fn()
+    async def call_thread(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # As mode's QueueServiceThread.call_thread(method, *args, **kwargs).
+        return await fn(*args, **kwargs)
 
     def _ensure_consumer(self) -> Consumer:
         return self
