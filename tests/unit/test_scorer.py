@@ -530,8 +530,21 @@ def test_amount_over_the_review_limit_is_reviewed_by_rule(world: World, ensemble
     real = make_scorer(world, ensemble)
     [d] = decisions(score(real, [inbound(world.tx(28, amount=15000.0, currency="USD"), world)]))
     check_full_decision(d)
-    assert d["action"] == ("decline" if d["fraud_score"] >= RULES.decline_threshold else "review")
-    assert "forced review" in d["explanation"][0]
+    if d["fraud_score"] >= RULES.decline_threshold:  # the score decided, and says so first
+        assert d["action"] == "decline"
+        assert d["explanation"][0].startswith(f"score {d['fraud_score']:.3f} at or above decline threshold")
+        assert "amount 15,000.00 USD over 10,000: at least review" in d["explanation"]
+    else:
+        assert d["action"] == "review"
+        assert "forced review" in d["explanation"][0]
+
+    # A decline-level score: the explanation names the decline threshold first, never "forced review".
+    high = make_scorer(world, ConstantModel(0.986))
+    [d] = decisions(score(high, [inbound(world.tx(30, amount=15000.0, currency="USD"), world)]))
+    assert d["action"] == "decline"
+    assert d["explanation"][0] == "score 0.986 at or above decline threshold 0.9"
+    assert d["explanation"][1] == "amount 15,000.00 USD over 10,000: at least review"
+    assert not any("forced review" in w for w in d["explanation"])
 
 
 def test_a_blocklisted_device_is_declined(world: World, ensemble: Any) -> None:
