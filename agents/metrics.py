@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -247,9 +248,15 @@ class WorkerMetrics:
         return tps, min(1.0, busy / THROUGHPUT_WINDOW_S), capacity
 
 
+#: A number with the words that only qualify it ("its 50 ms" in "model over its 50 ms budget").
+_NUMBER = re.compile(r"\b(?:its\s+)?\d[\d.,]*\s*(?:ms|s)?(?=\s|$)")
+
+
 def reason_label(why: str) -> str:
-    """A degraded reason without its numbers, so the label set stays small."""
-    return " ".join(w for w in why.split() if not any(c.isdigit() for c in w)) or "unknown"
+    """A degraded reason without its numbers, so the label set stays small.
+    NOTE: the number goes with its unit and "its": "model over its 50 ms
+    budget" is labelled "model over budget", not "model over its ms budget"."""
+    return " ".join(_NUMBER.sub(" ", why).split()) or "unknown"
 
 
 def consumer_lag(highwater: int | None, committed: int | None) -> int | None:

@@ -149,13 +149,14 @@ def test_degraded_by_reason_and_redis_errors() -> None:
     store.fail = RuntimeError("down")
     _run_batch(scorer, metrics, [_inbound(_tx(10 + i, now), 10 + i, now) for i in range(2)])
     s = _samples(metrics)
-    assert s[("fraud_degraded_decisions_total", (("reason", "model over its ms budget"),))] == 3
+    assert s[("fraud_degraded_decisions_total", (("reason", "model over budget"),))] == 3
     assert s[("fraud_degraded_decisions_total", (("reason", "feature store unavailable"),))] == 2
     assert s[("fraud_redis_errors_total", (("op", "enrich"),))] == 1
 
 
 def test_degraded_reason_label() -> None:
-    assert reason_label("model over its 50 ms budget") == "model over its ms budget"
+    assert reason_label("model over its 50 ms budget") == "model over budget"
+    assert reason_label("model over its 12.5 ms budget") == "model over budget"  # one label, any budget
     assert reason_label("model failed: ValueError") == "model failed: ValueError"
     assert reason_label("") == "unknown"
 
