@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -144,6 +144,8 @@ class WorkerMetrics:
         #: itself (app/commits.py); else faust's own record of its commits is read.
         self.committed: Callable[[], Mapping[Any, int]] | None = None
         self.registry.register(_ScrapeTimeCollector(self))
+        # process_cpu_seconds_total: `scale advise` bounds a worker's capacity by its CPU per message.
+        ProcessCollector(registry=self.registry)
 
     # --- wiring -------------------------------------------------------------------
 

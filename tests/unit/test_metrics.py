@@ -186,3 +186,11 @@ def test_the_throughput_window_stays_bounded_when_nobody_scrapes() -> None:
     metrics._window.extend([(old, 32, 0.01)] * 1000)
     metrics.observe_batch([Inbound(value=b"{}")], BatchOutput(), time.perf_counter())
     assert len(metrics._window) == 1
+
+
+def test_a_scrape_carries_what_scale_advise_needs() -> None:
+    from tools.autoscale import parse_scrape
+
+    metrics = WorkerMetrics(Settings())
+    w = parse_scrape("w", generate_latest(metrics.registry).decode())
+    assert w.cpu_seconds > 0 and w.batches == 0.0 and w.fill_sum == 0.0
