@@ -88,6 +88,13 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
+# The gRPC contract's generated Python code (gateway/grpc_gen), regenerated from
+# proto/fraud/v1/fraud.proto with the pinned grpcio-tools. Committed, so installs
+# need no protoc; a unit test checks it matches the .proto (tools/protogen.py).
+.PHONY: proto
+proto: setup
+	$(PY) -m tools.protogen
+
 demo: setup
 	@bash scripts/demo.sh $(DEMO_RATE) $(DEMO_DURATION)
 

@@ -40,6 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from app.seams import faust_committed_offsets
+
 if TYPE_CHECKING:
     import faust
 
@@ -334,7 +336,7 @@ class _ScrapeTimeCollector(Collector):
         # NOTE: what this process committed (Kafka semantics: the next offset to
         # read), not the broker's answer: that would cost a round trip per scrape.
         source = self.metrics.committed
-        committed = source() if source is not None else getattr(consumer, "_committed_offset", {})
+        committed = source() if source is not None else faust_committed_offsets(consumer)
         out = []
         for tp in sorted(tps):
             try:

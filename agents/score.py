@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +28,10 @@ from agents.metrics import WorkerMetrics
 from agents.reload import Reloader
 from agents.tally import install_merchant_tally
 from app import redis_client
-from app.commits import TransactionCommits, untrack_read_offsets
+from app.commits import TransactionCommits
+from app.contract import Transaction
 from app.faust_app import RAW, base_app
+from app.seams import untrack_read_offsets
 from app.settings import Settings
 from app.topics import kafka_auth, producer_options
 from app.transactional import TransactionalEmitter
@@ -45,7 +47,7 @@ from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits
 
-__all__ = ["Runtime", "create_app"]
+__all__ = ["Runtime", "create_app", "handle_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -144,17 +146,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         await reloader.apply(scorer)  # the shadow and drift reference, if any
         try:
             async for events in stream.take_events(settings.batch_size, within=settings.batch_window_s):
-                started = time.perf_counter()
-                admitted = await commits.admit(events)  # holes and rewinds: see app/commits.py
-                if not admitted.events:
-                    continue
-                batch = [_inbound(event) for event in admitted.events]
-                await reloader.apply(scorer)  # a promoted model or rules, between batches
-                output = await scorer.score_batch(batch)
-                await scorer.finish(output)  # the shadow model: adds to the feedback records
-                await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
-                await _write_cache(scorer, output)
-                metrics.observe_batch(batch, output, started)
+                await handle_batch(events, commits=commits, scorer=scorer, reloader=reloader, metrics=metrics)
         finally:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(commits.close(), 5.0)
@@ -175,6 +167,30 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     app.scoring_agent = score
     app.transaction_commits = commits
     return app
+
+
+async def handle_batch(
+    events: Sequence[Any],
+    *,
+    commits: TransactionCommits,
+    scorer: Scorer,
+    reloader: Reloader,
+    metrics: WorkerMetrics,
+) -> BatchOutput | None:
+    """One micro-batch of faust events, top to bottom; returns what it
+    committed, or None when nothing was admitted (nothing is done then)."""
+    started = time.perf_counter()
+    admitted = await commits.admit(events)  # holes and rewinds: see app/commits.py
+    if not admitted.events:
+        return None
+    batch = [_inbound(event) for event in admitted.events]
+    await reloader.apply(scorer)  # a promoted model or rules, between batches
+    output = await scorer.score_batch(batch)
+    await scorer.finish(output)  # the shadow model: adds to the feedback records
+    committed = await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
+    await _write_cache(scorer, output.cacheable(committed))  # only what committed: never a fenced partition's
+    metrics.observe_batch(batch, output, started)
+    return output
 
 
 def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetrics) -> TransactionCommits:
@@ -214,15 +230,15 @@ def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetr
     return commits
 
 
-async def _write_cache(scorer: Scorer, output: BatchOutput) -> None:
-    if output.to_cache:
+async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+    if decisions:
         # NOTE: awaited before the next batch is taken: a resend one batch
         # behind its original must find this decision (a fire-and-forget
         # write raced it). Bounded, and never fails the batch.
         try:
-            await asyncio.wait_for(scorer.cache.put_many(output.to_cache), CACHE_WRITE_TIMEOUT_S)
+            await asyncio.wait_for(scorer.cache.put_many(decisions), CACHE_WRITE_TIMEOUT_S)
         except Exception as exc:
-            log.warning("storing %d decisions in the cache failed: %r", len(output.to_cache), exc)
+            log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
 
 
 def _inbound(event: Any) -> Inbound:

@@ -2,8 +2,9 @@
 inside each batch's Kafka transaction (app/transactional.py), never by faust.
 
 Talks to faust's aiokafka consumer, which lives on a thread of its own: every
-call to it goes through that thread (``call_thread``), as faust's own calls do.
-The bookkeeping itself is :class:`app.offsets.PartitionProgress`.
+call to it goes through that thread, as faust's own calls do. Every reach into
+faust's or aiokafka's internals is a seam of :mod:`app.seams`. The bookkeeping
+itself is :class:`app.offsets.PartitionProgress`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ import asyncio
 import logging
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from app import seams
 from app.offsets import Admitted, PartitionProgress, event_position
 from app.transactional import Fenced, PartitionBatch, TransactionalEmitter
 
-__all__ = ["TransactionCommits", "untrack_read_offsets"]
+__all__ = ["TransactionCommits"]
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,10 @@ class TransactionCommits:
             await self._check_hole(tp, expected, seen, repeated=tp in admitted.verify)
         return admitted
 
-    async def commit(self, admitted: Admitted[Any, Any], output: Any) -> None:
+    async def commit(self, admitted: Admitted[Any, Any], output: Any) -> set[int]:
         """Produce the batch's outcomes and commit its offsets, one transaction
-        per input partition; the partitions that committed move on.
+        per input partition; the partitions that committed move on, and their
+        numbers are returned.
 
         A partition this worker was fenced from is dropped until the next
         assignment (its new owner decides the batch). A transaction that fails
@@ -113,9 +115,11 @@ class TransactionCommits:
         records = output.records_by_partition(self.topics, default)
         pending = {p: PartitionBatch(ends[tp], records.get(p, [])) for p, tp in by_number.items()}
         delay = 0.1
+        committed: set[int] = set()
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             results = await self.emitter.commit(pending)
             done = {by_number[p]: pending[p].next_offset for p, r in results.items() if r is None}
+            committed.update(tp.partition for tp in done)
             fenced = [by_number[p] for p, r in results.items() if isinstance(r, Fenced)]
             if done:
                 self.progress.done(admitted, event_position, only=set(done))
@@ -125,7 +129,7 @@ class TransactionCommits:
                 self.progress.forget(fenced)
             failed = {p: r for p, r in results.items() if r is not None and not isinstance(r, Fenced)}
             if not failed:
-                return
+                return committed
             log.warning(
                 "transaction for partitions %s failed (attempt %d/%d): %r",
                 sorted(failed), attempt, COMMIT_ATTEMPTS, next(iter(failed.values())),
@@ -147,11 +151,7 @@ class TransactionCommits:
                 # NOTE: a seek is enough: in every stall seen, faust still had the
                 # partition active and aiokafka's position was at the log end
                 # (the records were dropped inside faust), so nothing to resume.
-                log.warning(
-                    "partition %s: nothing decided from offset %d for %.0f s while its log reaches %s "
-                    "(fetch state: %s); seeking back to %d",
-                    tp.partition, offset, self.stall_after_s, self._highwater(tp), self._fetch_state(tp), offset,
-                )  # fmt: skip
+                self._log_stall(tp, offset)
                 await self._reseek(tp, offset, "quiet")
 
     async def close(self) -> None:
@@ -213,51 +213,62 @@ class TransactionCommits:
         records = batch.get(part, [])
         return records[0].offset if records else None
 
-    # --- the stall watchdog's view of faust's consumer (faust-streaming 0.15.3 internals) --------
+    # --- the stall watchdog's view of faust's consumer (through app.seams) ----------------------
 
     def _flowing(self) -> bool:
         """Not in a rebalance or recovery: faust pauses and resumes partitions then."""
-        consumer = self.app.consumer
-        return bool(getattr(consumer, "flow_active", True)) and not getattr(self.app, "rebalancing", False)
+        return seams.consumer_flowing(self.app)
 
     def _highwater(self, tp: Any) -> int | None:
         try:
-            return self.app.consumer.highwater(tp)
+            highwater: int | None = self.app.consumer.highwater(tp)
         except Exception:  # consumer not started or partition unknown
             return None
+        return highwater
+
+    def _log_stall(self, tp: Any, offset: int) -> None:
+        """Log a stalled partition with what faust and aiokafka know of it.
+
+        Best effort: the diagnostics read framework internals, which an upgrade
+        can change; nothing here may keep the caller from seeking the partition."""
+        try:
+            highwater = self._highwater(tp)
+        except Exception:
+            highwater = None
+        try:
+            state = self._fetch_state(tp)
+        except Exception as exc:
+            state = f"unknown ({exc!r})"
+        log.warning(
+            "partition %s: nothing decided from offset %d for %.0f s while its log reaches %s "
+            "(fetch state: %s); seeking back to %d",
+            tp.partition, offset, self.stall_after_s, highwater, state, offset,
+        )  # fmt: skip
 
     def _fetch_state(self, tp: Any) -> str:
         """Where a partition may be held back: faust's active/paused/buffered
         sets (its fetcher asks aiokafka only for active ones) and aiokafka's state."""
         try:
-            consumer = self.app.consumer
+            faust_flags = seams.faust_partition_flags(self.app.consumer, tp)
             parts = [
-                f"faust active={tp in (consumer._active_partitions or ())}",
-                f"paused={tp in consumer._paused_partitions}",
-                f"buffered={tp in consumer._buffered_partitions}",
+                f"faust active={faust_flags['active']}",
+                f"paused={faust_flags['paused']}",
+                f"buffered={faust_flags['buffered']}",
             ]
-            _, kafka = self._thread_and_consumer()
-            state = kafka._subscription.subscription.assignment.state_value(TopicPartition(tp.topic, tp.partition))
-            parts.append(
-                f"aiokafka paused={state.paused} position={state.position if state.has_valid_position else None}"
-            )
-            parts.append(f"buffered_fetch={TopicPartition(tp.topic, tp.partition) in kafka._fetcher._records}")
+            state = seams.aiokafka_partition_state(seams.worker_consumer(self.app), tp)
+            parts.append(f"aiokafka paused={state['paused']} position={state['position']}")
+            parts.append(f"buffered_fetch={state['buffered_fetch']}")
         except Exception as exc:  # diagnostics only: never stop the watchdog
             return f"unknown ({exc!r})"
         return ", ".join(parts)
 
     # --- consumer I/O ---------------------------------------------------------------------------
 
-    def _thread_and_consumer(self) -> tuple[Any, Any]:
-        thread = self.app.consumer._thread
-        return thread, thread._ensure_consumer()
-
     async def _read_positions(self, tps: set[Any]) -> dict[Any, int]:
         """The group's committed offset of each partition, else the log start
         (``auto_offset_reset=earliest``)."""
-        thread, consumer = self._thread_and_consumer()
 
-        async def read() -> dict[Any, int]:
+        async def read(consumer: Any) -> dict[Any, int]:
             out: dict[Any, int] = {}
             missing = []
             for tp in tps:
@@ -272,7 +283,7 @@ class TransactionCommits:
                     out[tp] = starts[TopicPartition(tp.topic, tp.partition)]
             return out
 
-        return await thread.call_thread(read)
+        return await seams.on_consumer_thread(self.app, read)
 
 
 def _fmt_tps(tps: Iterable[Any]) -> str:
@@ -281,42 +292,3 @@ def _fmt_tps(tps: Iterable[Any]) -> str:
 
 def _fmt(offsets: Mapping[Any, int]) -> str:
     return ", ".join(f"{tp.partition}:{n}" for tp, n in sorted(offsets.items(), key=lambda kv: kv[0].partition))
-
-
-class _ReadOffsets(defaultdict):  # type: ignore[type-arg]
-    """faust's per-partition "read up to here" map, blind to one topic.
-
-    faust drops a fetched record whose offset is below the last one it
-    delivered for the partition. After a seek back, records fetched before the
-    seek (later offsets) arrive first, so faust dropped every re-read record up
-    to them: the rewind never took (measured: 6 s of failed seeks, then loss).
-    The agent orders and de-duplicates `transactions` itself, so for that
-    topic faust is told it has read nothing and delivers everything.
-    """
-
-    def __init__(self, topic: str) -> None:
-        super().__init__(lambda: None)
-        self.topic = topic
-
-    def __getitem__(self, tp: Any) -> Any:
-        if tp.topic == self.topic:
-            return None
-        return super().__getitem__(tp)
-
-    def __setitem__(self, tp: Any, offset: Any) -> None:
-        if tp.topic != self.topic:
-            super().__setitem__(tp, offset)
-
-
-def untrack_read_offsets(app: Any, topic: str) -> None:
-    """Make the consumer faust builds for ``app`` deliver every record of ``topic``
-    (see :class:`_ReadOffsets`). NOTE: faust-streaming 0.15.3 internals
-    (``Consumer._read_offset``, read once when its fetch loop starts)."""
-    build = app._new_consumer
-
-    def _new_consumer() -> Any:
-        consumer = build()
-        consumer._read_offset = _ReadOffsets(topic)
-        return consumer
-
-    app._new_consumer = _new_consumer

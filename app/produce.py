@@ -10,8 +10,9 @@ the worker's event loop (py-spy at 550 TPS: ``Topic.send`` 16.9 % of the main
 thread's busy samples, of which the transport producer's own ``send`` 8.8 %).
 
 :class:`RawTopic` calls the transport producer (``app.producer.send``, public
-faust API) directly: the same aiokafka producer, partitioner (by key, as
-``Topic.send`` with no partition), linger and acknowledgements; each call
+faust API, called positionally through :func:`app.seams.send_raw`) directly:
+the same aiokafka producer, partitioner (by key, as ``Topic.send`` with no
+partition), linger and acknowledgements; each call
 returns the delivery future, awaited by the caller as before. What it leaves
 out is faust's per-send sensor callbacks (``FRAUD_FAUST_SENSORS`` loses its
 per-topic send counts; our own metrics are unaffected).
@@ -29,6 +30,8 @@ from typing import Any
 
 import faust
 
+from app.seams import send_raw
+
 __all__ = ["RawTopic"]
 
 
@@ -43,7 +46,7 @@ class RawTopic:
 
     async def send(self, key: bytes | None, value: bytes) -> Awaitable[Any]:
         """Hand one record to the producer; returns its delivery future (RecordMetadata)."""
-        return await self.app.producer.send(self.name, key, value, None, None, None)
+        return await send_raw(self.app.producer, self.name, key, value)
 
     def __repr__(self) -> str:
         return f"RawTopic({self.name!r})"

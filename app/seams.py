@@ -2,31 +2,90 @@
 
 Each seam names the upstream code it depends on and why the public API does not
 suffice; tests/unit/test_seams.py holds a canary per seam that fails when an
-upgrade makes the seam a silent no-op. The versions are pinned exactly in
-pyproject.toml for the same reason.
+upgrade makes the seam a silent no-op or breaks it. The versions are pinned
+exactly in pyproject.toml for the same reason (faust-streaming 0.15.3,
+aiokafka 0.14.0, mode-streaming 0.7.1).
+
+The seams:
+
+- :func:`install_read_committed`: patches faust's
+  ``AIOKafkaConsumerThread._create_worker_consumer`` to set aiokafka's
+  ``AIOKafkaConsumer._isolation_level`` (workers read committed data only).
+- :func:`untrack_read_offsets` (with :class:`ReadOffsets`): wraps faust's
+  ``App._new_consumer`` to replace ``Consumer._read_offset``, the map faust's
+  fetch loop (``Consumer._drain_messages``) drops records by.
+- :func:`worker_consumer` and :func:`on_consumer_thread`: the aiokafka consumer
+  behind faust's (``ThreadDelegateConsumer._thread``,
+  ``AIOKafkaConsumerThread._ensure_consumer``), and mode's
+  ``QueueServiceThread.call_thread`` to run code on that consumer's thread.
+- :func:`consumer_flowing`: faust's undocumented ``Consumer.flow_active`` and
+  ``App.rebalancing`` flags.
+- :func:`faust_partition_flags`: faust's ``Consumer._active_partitions``,
+  ``_paused_partitions`` and ``_buffered_partitions`` (stall diagnostics).
+- :func:`aiokafka_partition_state`: aiokafka's ``AIOKafkaConsumer._subscription``
+  (per-partition fetch state) and ``_fetcher._records`` (stall diagnostics).
+- :func:`faust_committed_offsets`: faust's ``Consumer._committed_offset``
+  (the lag metric's fallback when faust commits).
+- :func:`cluster_metadata`: aiokafka's ``AIOKafkaConsumer._client`` and
+  ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
+- :func:`send_raw`: faust's transport ``Producer.send``, called with its six
+  positional parameters (public, but positional: a reordering would swap
+  fields silently).
+
+faust is imported inside the seams that need it, never at module level: the
+gateway and the tools import this module (through app/topics.py) and do not
+otherwise load faust.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
-from faust.transport.drivers import aiokafka as faust_aiokafka
+from aiokafka.structs import TopicPartition
 
-__all__ = ["install_read_committed"]
+__all__ = [
+    "ReadOffsets",
+    "aiokafka_partition_state",
+    "cluster_metadata",
+    "consumer_flowing",
+    "faust_committed_offsets",
+    "faust_partition_flags",
+    "install_read_committed",
+    "on_consumer_thread",
+    "send_raw",
+    "untrack_read_offsets",
+    "worker_consumer",
+]
+
+T = TypeVar("T")
+
+
+# --- the worker consumer's isolation level --------------------------------------------------------
 
 
 def install_read_committed() -> None:
     """Make faust's worker consumer read with ``isolation_level=read_committed``.
 
-    NOTE: faust-streaming 0.15.3 reads committed data only in its own
-    exactly-once mode (``processing_guarantee="exactly_once"``, which this
-    project does not use: app/transactional.py says why). Everything the
-    scoring agent writes is transactional, and the feedback loop's agents read
-    ``feedback`` from the same consumer: an aborted batch's records must stay
-    invisible to them. The consumer is built before it starts, and aiokafka
-    hands ``_isolation_level`` to its fetcher at start, so setting it on the
-    new consumer is enough. tests/integration/test_exactly_once.py checks it end to end.
+    Upstream: faust-streaming 0.15.3, ``faust.transport.drivers.aiokafka.
+    AIOKafkaConsumerThread._create_worker_consumer`` (called by its
+    ``_create_consumer`` from ``on_start``), and aiokafka 0.14.0
+    ``AIOKafkaConsumer._isolation_level`` (handed to its ``Fetcher`` in
+    ``start()``).
+
+    NOTE: faust reads committed data only in its own exactly-once mode
+    (``processing_guarantee="exactly_once"``, which this project does not use:
+    app/transactional.py says why), and offers no setting for the isolation
+    level. Everything the scoring agent writes is transactional, and the
+    feedback loop's agents read ``feedback`` from the same consumer: an aborted
+    batch's records must stay invisible to them. The consumer is built before
+    it starts, and aiokafka hands ``_isolation_level`` to its fetcher at start,
+    so setting it on the new consumer is enough.
+    tests/integration/test_exactly_once.py checks it end to end.
     """
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
     thread_cls = faust_aiokafka.AIOKafkaConsumerThread
     original = thread_cls._create_worker_consumer
     if getattr(original, "_fraud_patched", False):
@@ -38,4 +97,207 @@ def install_read_committed() -> None:
         return consumer
 
     _create_worker_consumer._fraud_patched = True  # type: ignore[attr-defined]
-    thread_cls._create_worker_consumer = _create_worker_consumer
+    thread_cls._create_worker_consumer = _create_worker_consumer  # type: ignore[method-assign]
+
+
+# --- faust's per-partition read offsets -----------------------------------------------------------
+
+
+class ReadOffsets(defaultdict):  # type: ignore[type-arg]
+    """faust's per-partition "read up to here" map, blind to one topic.
+
+    faust drops a fetched record whose offset is below the last one it
+    delivered for the partition. After a seek back, records fetched before the
+    seek (later offsets) arrive first, so faust dropped every re-read record up
+    to them: the rewind never took (measured: 6 s of failed seeks, then loss).
+    The scoring agent orders and de-duplicates `transactions` itself
+    (app/offsets.py), so for that topic faust is told it has read nothing and
+    delivers everything.
+    """
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(lambda: None)
+        self.topic = topic
+
+    def __getitem__(self, tp: Any) -> Any:
+        if tp.topic == self.topic:
+            return None
+        return super().__getitem__(tp)
+
+    def __setitem__(self, tp: Any, offset: Any) -> None:
+        if tp.topic != self.topic:
+            super().__setitem__(tp, offset)
+
+
+def untrack_read_offsets(app: Any, topic: str) -> None:
+    """Make the consumer faust builds for ``app`` deliver every record of ``topic``
+    (see :class:`ReadOffsets`).
+
+    Upstream: faust-streaming 0.15.3, ``faust.app.base.App._new_consumer``
+    (what the ``App.consumer`` property calls to build its consumer) and
+    ``faust.transport.consumer.Consumer._read_offset`` (a ``defaultdict``
+    whose ``__getitem__``/``__setitem__`` ``Consumer._drain_messages`` binds
+    once, when its fetch loop starts).
+
+    NOTE: faust has no option to deliver records below the read offset; the
+    drop is inline in ``_drain_messages``. The map is replaced as the consumer
+    is built, before its fetch loop can bind the original.
+    """
+    build = app._new_consumer
+
+    def _new_consumer() -> Any:
+        consumer = build()
+        consumer._read_offset = ReadOffsets(topic)
+        return consumer
+
+    app._new_consumer = _new_consumer
+
+
+# --- the aiokafka consumer behind faust's ---------------------------------------------------------
+
+
+def worker_consumer(app: Any) -> Any:
+    """The aiokafka consumer faust's consumer delegates to; raises faust's
+    ``ConsumerNotStarted`` before it starts.
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.consumer.
+    ThreadDelegateConsumer._thread`` (the ``AIOKafkaConsumerThread``) and
+    ``faust.transport.drivers.aiokafka.AIOKafkaConsumerThread._ensure_consumer``.
+
+    NOTE: faust exposes no committed-offset read for a partition, nor the
+    aiokafka consumer itself. Its I/O must run on the consumer's own thread
+    (:func:`on_consumer_thread`); the reads of its state for diagnostics
+    (:func:`aiokafka_partition_state`) are from the caller's thread.
+    """
+    return app.consumer._thread._ensure_consumer()
+
+
+async def on_consumer_thread(app: Any, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Await ``fn(consumer)`` on the thread (and event loop) of the aiokafka
+    consumer behind ``app.consumer``, as faust's own calls to it are made.
+
+    Upstream: mode-streaming 0.7.1, ``mode.threads.QueueServiceThread.call_thread``
+    (inherited by faust's ``AIOKafkaConsumerThread``), plus :func:`worker_consumer`.
+
+    NOTE: the aiokafka consumer belongs to that thread's loop; awaiting its
+    coroutines from the agent's loop is not safe. The consumer is looked up
+    first, so an unstarted one raises before anything is queued.
+    """
+    thread = app.consumer._thread
+    consumer = worker_consumer(app)
+    result: T = await thread.call_thread(fn, consumer)
+    return result
+
+
+def consumer_flowing(app: Any) -> bool:
+    """Not in a rebalance or recovery: faust pauses and resumes partitions then.
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.consumer.Consumer.flow_active``
+    (cleared by ``stop_flow()``, set by ``resume_flow()``) and
+    ``faust.app.base.App.rebalancing`` (declared on ``AppT``), neither documented.
+
+    NOTE: faust offers no public "is the consumer flowing" query. Missing
+    attributes read as flowing, as before this seam existed: the watchdog must
+    keep working, and the canary test catches a rename.
+    """
+    return bool(getattr(app.consumer, "flow_active", True)) and not getattr(app, "rebalancing", False)
+
+
+# --- stall diagnostics ----------------------------------------------------------------------------
+
+
+def faust_partition_flags(consumer: Any, tp: Any) -> dict[str, bool]:
+    """Whether faust's fetcher asks for ``tp`` (active), has it paused, or has
+    taken it out because its stream buffer is full (buffered).
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.consumer.Consumer.
+    _active_partitions`` (None until first computed), ``_paused_partitions``
+    and ``_buffered_partitions``.
+
+    NOTE: faust has no public view of these sets; they are what decides which
+    partitions its fetcher requests from aiokafka. Diagnostics only: callers
+    must not let a failure here stop them.
+    """
+    return {
+        "active": tp in (consumer._active_partitions or ()),
+        "paused": tp in consumer._paused_partitions,
+        "buffered": tp in consumer._buffered_partitions,
+    }
+
+
+def aiokafka_partition_state(kafka: Any, tp: Any) -> dict[str, Any]:
+    """aiokafka's own view of ``tp``: paused, fetch position (None when it has
+    none) and whether fetched records wait in its buffer.
+
+    Upstream: aiokafka 0.14.0, ``AIOKafkaConsumer._subscription`` (a
+    ``SubscriptionState``: ``.subscription.assignment.state_value(tp)``, a
+    ``TopicPartitionState`` with ``paused``, ``has_valid_position``,
+    ``position``) and ``AIOKafkaConsumer._fetcher._records`` (the ``Fetcher``'s
+    buffer, created in ``start()``).
+
+    NOTE: the public ``position()`` does not fit: it is a coroutine, to be run
+    on the consumer's own thread, that waits up to the request timeout for a
+    partition without a position; a diagnostic needs the state as it is, at
+    once. Nothing public tells whether fetched records are buffered.
+    Diagnostics only: callers must not let a failure here stop them.
+    """
+    part = TopicPartition(tp.topic, tp.partition)
+    state = kafka._subscription.subscription.assignment.state_value(part)
+    return {
+        "paused": state.paused,
+        "position": state.position if state.has_valid_position else None,
+        "buffered_fetch": part in kafka._fetcher._records,
+    }
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def faust_committed_offsets(consumer: Any) -> Mapping[Any, int | None]:
+    """The offsets faust last committed per partition (Kafka semantics: the next
+    to read); empty when the consumer has no such record.
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.consumer.Consumer.
+    _committed_offset`` (updated by ``perform_seek`` and after each commit).
+
+    NOTE: the public ``Consumer.committed`` path asks the broker, a round trip
+    per scrape. Never raises: a scrape must not fail on it.
+    """
+    committed: Mapping[Any, int | None] = getattr(consumer, "_committed_offset", {})
+    return committed
+
+
+# --- metadata -------------------------------------------------------------------------------------
+
+
+async def cluster_metadata(consumer: Any) -> Any:
+    """Metadata of every topic of the cluster (a ``ClusterMetadata``).
+
+    Upstream: aiokafka 0.14.0, ``AIOKafkaConsumer._client`` (its
+    ``AIOKafkaClient``) and ``AIOKafkaClient.fetch_all_metadata``.
+
+    NOTE: a consumer without a subscription tracks no topics, so its public
+    ``partitions_for_topic`` stays None until it is assigned partitions, which
+    needs their numbers first. tests/integration/test_gateway.py and
+    test_autoscale_broker.py fail too if this stops working.
+    """
+    return await consumer._client.fetch_all_metadata()
+
+
+# --- producing ------------------------------------------------------------------------------------
+
+
+async def send_raw(producer: Any, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:
+    """Hand one record to faust's transport producer, to be partitioned by key;
+    returns its delivery future (``RecordMetadata``).
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.drivers.aiokafka.
+    Producer.send(topic, key, value, partition, timestamp, headers, *, transactional_id)``.
+
+    NOTE: public, but every parameter but ``transactional_id`` is positional
+    and required: a reordering upstream would swap key and value silently.
+    ``Topic.send`` would be the documented path; app/produce.py says why it is
+    bypassed.
+    """
+    result: Awaitable[Any] = await producer.send(topic, key, value, None, None, None)
+    return result

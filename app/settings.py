@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     """Where ``fraud-pipeline gateway`` listens (``--host``); ``0.0.0.0`` in a container."""
 
     gateway_port: int = 8080
+    gateway_grpc_port: int = 0
+    """Also serve gRPC (``fraud.v1.FraudScoring``, docs/grpc.md) on this port, in the same
+    process as REST (``--grpc-port``). 0: off, so no listener opens unless asked for."""
+
     gateway_keys_file: Path | None = None
     """API clients of ``POST /v1/transactions``: ``{"clients": {"<id>": "<hex or base64 key>"}}``
     (the producer keys' format; ``fraud-pipeline keys <id> --file ...`` writes one). A

@@ -15,6 +15,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
 from app.retry import retry
+from app.seams import cluster_metadata
 from app.settings import Settings
 
 __all__ = ["ensure_topics", "kafka_auth", "producer_options", "topic_partitions"]
@@ -100,11 +101,8 @@ async def partitions_of(consumer: object, topics: Sequence[str]) -> dict[str, se
     """The partitions of each of ``topics`` (None for a topic that does not exist),
     from a metadata request for all topics.
 
-    NOTE: aiokafka 0.14 internals (``consumer._client.fetch_all_metadata``): a
-    consumer without a subscription tracks no topics, so its public
-    ``partitions_for_topic`` stays None until it is assigned partitions, which
-    needs their numbers first. tests/integration/test_gateway.py and
-    test_autoscale_broker.py fail if this stops working.
+    NOTE: aiokafka's public ``partitions_for_topic`` stays None for a topic the
+    consumer is not assigned; the seam :func:`app.seams.cluster_metadata` says why.
     """
-    cluster = await consumer._client.fetch_all_metadata()  # type: ignore[attr-defined]
+    cluster = await cluster_metadata(consumer)
     return {topic: cluster.partitions_for_topic(topic) for topic in topics}

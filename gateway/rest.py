@@ -9,7 +9,9 @@ before the message costs a produce (key, contract, rate), then produces the
 body exactly as received, keyed by ``user_id`` and *signed* with the gateway's
 own producer key (:mod:`pipeline.auth`), so workers that accept only signed
 traffic accept it. The reply is correlated by id (:mod:`gateway.replies`), not with
-faust's ``agent.ask()`` (misrouted inside ``take()``).
+faust's ``agent.ask()`` (misrouted inside ``take()``). Those steps are
+:mod:`gateway.core`, shared with the gRPC service (:mod:`gateway.grpc_server`,
+served by the same process: :mod:`gateway.serve`).
 
 The analyst review page (``GET /review``) and its two JSON endpoints live here
 too (:mod:`gateway.review`); they take *analyst* keys, a separate set, so a payment
@@ -30,7 +32,6 @@ import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,15 +46,16 @@ from app.errors import ConfigError
 from app.redis_keys import gateway_bucket_ids
 from app.settings import Settings
 from app.topics import ensure_topics, kafka_auth
+from gateway.core import Refusal, admit, coalesced, decide
 from gateway.openapi import openapi_document
-from gateway.replies import Outcome, Replies
+from gateway.replies import Replies
 from gateway.review import ReviewQueue, ReviewReader, analyst_label
 from pipeline.auth import ClientKeys, sign
 from pipeline.labels import LABELS
 from pipeline.ratelimit import RateDecision, RedisRateLimiter
-from pipeline.validate import Limits, Rejection, validate
+from pipeline.validate import Limits
 
-__all__ = ["ApiKeys", "Gateway", "build_app", "run"]
+__all__ = ["ApiKeys", "Gateway", "build_app"]
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +260,7 @@ class Gateway:
             return None
         try:
             decisions = await asyncio.wait_for(
-                self.limiter.allow([gateway_bucket_ids(api_client, user_id)]), RATE_LIMIT_TIMEOUT_S * 2
+                coalesced(self.limiter).allow([gateway_bucket_ids(api_client, user_id)]), RATE_LIMIT_TIMEOUT_S * 2
             )
             return decisions[0]
         except Exception as exc:
@@ -279,60 +281,33 @@ async def post_transaction(request: web.Request) -> web.Response:
     if api_client is None:
         return unauthorized("API key")
     raw = await request.read()
-    now = time.time()
-    checked = validate(raw, now, gw.limits)
-    if isinstance(checked, Rejection):
-        return error_response(
-            400, checked.code, checked.reason, field=checked.field, transaction_id=checked.transaction_id
-        )
-    verdict = await gw.rate(api_client, checked.user_id)
-    if verdict is not None and not verdict.allowed:
-        who = "API client" if verdict.bucket == "client" else "user"
-        return error_response(
-            429, "rate_limited", f"the {who} is over its rate limit; retry after {verdict.retry_after_s:.3f} s",
-            field="user_id" if verdict.bucket == "user" else None, transaction_id=checked.transaction_id,
-            headers={"Retry-After": retry_after_header(verdict.retry_after_s)},
-        )  # fmt: skip
-    return await round_trip(gw, raw, checked.transaction_id, checked.user_id)
+    admitted = await admit(gw, api_client, raw, time.time())
+    if isinstance(admitted, Refusal):
+        return refusal_response(admitted)
+    # The body is produced exactly as received (validate() only read it).
+    outcome = await decide(gw, raw, admitted, gw.settings.gateway_timeout_s)
+    if isinstance(outcome, Refusal):
+        return refusal_response(outcome)
+    return json_response(outcome.record, headers={"X-Correlation-Id": outcome.correlation_id})
 
 
-async def round_trip(gw: Gateway, raw: bytes, transaction_id: str, user_id: str) -> web.Response:
-    """Produce one admitted transaction and answer with what became of it.
+#: HTTP status of each kind of refusal (gRPC's codes: gateway/grpc_server.py).
+REFUSAL_STATUS = {"invalid": 400, "rate_limited": 429, "dead_lettered": 502, "unavailable": 503, "timeout": 504}
 
-    One deadline, ``gateway_timeout_s``, covers the produce and the wait: a
-    broker that hangs must not hold the caller for the producer's own 40 s."""
-    assert gw.producer is not None and gw.replies is not None
-    timeout = gw.settings.gateway_timeout_s
-    deadline = time.monotonic() + timeout
-    correlation = uuid.uuid4().hex
-    ids = {"transaction_id": transaction_id, "correlation_id": correlation}
-    reply = gw.replies.expect(correlation)
-    try:
-        headers = [("correlation-id", correlation.encode()), *gw.signer.headers(raw)]
-        send = gw.producer.send_and_wait(gw.settings.topic_transactions, raw, key=user_id.encode(), headers=headers)
-        await asyncio.wait_for(send, timeout)
-        outcome: Outcome = await asyncio.wait_for(asyncio.shield(reply), max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        return error_response(
-            504, "decision_timeout",
-            f"no decision for {transaction_id} within {timeout:g} s; it may still be decided: resend the "
-            "same transaction (same transaction_id) to get its decision",
-            **ids,
-        )  # fmt: skip
-    except Exception as exc:  # the producer gave up: the transaction did not enter
-        log.warning("producing %s failed: %r", transaction_id, exc)
-        return error_response(503, "broker_unavailable", f"the broker did not accept the transaction: {exc!r}", **ids)
-    finally:
-        gw.replies.forget(correlation)
-    trace = {"X-Correlation-Id": correlation}
-    if outcome.kind == "dead_letter":
-        error = outcome.record.get("error") or {}
-        return error_response(
-            502, "dead_lettered",
-            f"the pipeline dead-lettered the transaction: {error.get('code')}: {error.get('reason')}",
-            field=error.get("field"), headers=trace, **ids,
-        )  # fmt: skip
-    return json_response(outcome.record, headers=trace)
+
+def refusal_response(refusal: Refusal) -> web.Response:
+    """The error body: ``transaction_id`` always, ``correlation_id`` once the transaction was produced."""
+    headers: dict[str, str] = {}
+    ids: dict[str, str | None] = {"transaction_id": refusal.transaction_id}
+    if refusal.kind == "rate_limited":
+        headers["Retry-After"] = retry_after_header(refusal.retry_after_s)
+    if refusal.correlation_id is not None:
+        ids["correlation_id"] = refusal.correlation_id
+        if refusal.kind == "dead_lettered":
+            headers["X-Correlation-Id"] = refusal.correlation_id
+    return error_response(
+        REFUSAL_STATUS[refusal.kind], refusal.code, refusal.reason, field=refusal.field, headers=headers or None, **ids
+    )
 
 
 async def get_openapi(request: web.Request) -> web.Response:
@@ -416,12 +391,3 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/healthz", get_health)
     app.router.add_get("/review", get_review_page)
     return app
-
-
-def run(settings: Settings, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM (``fraud-pipeline gateway``)."""
-    gateway = Gateway.from_settings(settings)
-    web.run_app(
-        build_app(gateway), host=host, port=port, access_log=None,
-        print=lambda _: log.info("gateway listening on http://%s:%d (/openapi.json, /review)", host, port),
-    )  # fmt: skip

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -92,6 +92,8 @@ class BatchOutput:
     outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
     """Decisions produced, by (action, cached)."""
     to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
+    cache_origins: list[int | None] = field(default_factory=list)
+    """The input partition of each ``to_cache`` entry (index for index)."""
     extra_monitoring: list[bytes] = field(default_factory=list)
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
     shadow: _ShadowWork | None = None
@@ -101,6 +103,14 @@ class BatchOutput:
     )
     """Per list above, the input partition each record came from (index for
     index): the agent commits each partition's records with its offsets."""
+
+    def cacheable(self, committed: Collection[int]) -> list[tuple[Transaction, dict[str, Any]]]:
+        """The decisions to store for resends: only those whose input partition
+        committed. A fenced partition's decisions were never visible; caching
+        them would answer its new owner's first decision as a resend."""
+        return [
+            entry for entry, origin in zip(self.to_cache, self.cache_origins) if origin is None or origin in committed
+        ]
 
     def add(self, kind: str, origin: Inbound, key: bytes | None, value: bytes) -> None:
         """Append to ``decisions``, ``dead_letters`` or ``feedback``, noting where it came from."""
@@ -404,6 +414,7 @@ class Scorer:
             out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
             out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, record))
+            out.cache_origins.append(msg.partition)
             row = evidence.rows[i] if evidence.rows else None
             doc = self._feedback(tx, record, row, draft.rule, draft.tally)
             feedback_docs.append(doc)

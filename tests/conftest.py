@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
+# Real processes, not containers (no Docker engine where these run; testcontainers is not a dependency).
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``host:port`` of a ready Kafka-compatible broker."""

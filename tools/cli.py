@@ -259,7 +259,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from app.settings import Settings
     from app.topics import ensure_topics
-    from gateway.rest import run
+    from gateway.serve import run
 
     settings = Settings()
     try:
@@ -271,7 +271,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 3
-    run(settings, args.host or settings.gateway_host, args.port or settings.gateway_port)
+    grpc_port = settings.gateway_grpc_port if args.grpc_port is None else args.grpc_port
+    run(settings, args.host or settings.gateway_host, args.port or settings.gateway_port, grpc_port)
     return 0
 
 
@@ -426,6 +427,10 @@ def _add_service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     p = sub.add_parser("gateway", help="REST entry point and analyst review page")
     p.add_argument("--port", type=int, help="default FRAUD_GATEWAY_PORT (8080)")
     p.add_argument("--host", help="default FRAUD_GATEWAY_HOST (127.0.0.1; 0.0.0.0 in a container)")
+    p.add_argument(
+        "--grpc-port", type=int,
+        help="also serve gRPC (fraud.v1.FraudScoring, docs/grpc.md) on this port; default FRAUD_GATEWAY_GRPC_PORT (0: off)",
+    )  # fmt: skip
     p.add_argument("--broker-wait", type=float, default=120.0, help="seconds to wait for the broker at start")
     p.set_defaults(func=cmd_gateway)
 

@@ -40,8 +40,6 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
-import redis
-from aiokafka.partitioner import DefaultPartitioner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from workers import (  # tests/integration is on sys.path (pytest rootdir-relative import)
@@ -64,8 +62,8 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
 )
 
 from pipeline.auth import sign
+from tests.factories import materialize_into, partition_of
 from tools import stack
-from tools.materialize import materialize
 
 SOAK = os.environ.get("FRAUD_SOAK", "").strip() not in ("", "0", "false")
 
@@ -86,16 +84,8 @@ DRAIN_TIMEOUT_S = 120.0 if SOAK else 45.0
 @pytest.fixture(scope="module")
 def materialized(redis_url: str, sim_frame: pd.DataFrame) -> str:
     """The session Redis holding the simulation's features (idempotent: no flush)."""
-    _materialize(sim_frame, redis_url)
+    materialize_into(sim_frame, redis_url)
     return redis_url
-
-
-def _materialize(frame: pd.DataFrame, url: str) -> None:
-    client = redis.Redis.from_url(url)
-    try:
-        materialize(frame, client, progress=False)
-    finally:
-        client.close()
 
 
 @dataclass
@@ -302,7 +292,7 @@ def test_fault_redis_outage(
     port = stack.free_port()
     handles = [stack.start_redis(port=port, workdir=tmp_path / "redis-1")]
     url = handles[0].url
-    _materialize(sim_frame, url)
+    materialize_into(sim_frame, url)
     rig = rig_factory(url, "redis")
     del rig.workers.base_env["FRAUD_REDIS_TIMEOUT_S"]  # the product's hot-path timeout: it is the subject
     sent: list[Msg] = []
@@ -326,7 +316,7 @@ def test_fault_redis_outage(
                 marks["restarting"] = time.time()
                 handles.append(await asyncio.to_thread(stack.start_redis, port, tmp_path / "redis-2"))
                 marks["up"] = time.time()
-                await asyncio.to_thread(_materialize, sim_frame, url)
+                await asyncio.to_thread(materialize_into, sim_frame, url)
                 marks["materialized"] = time.time()
                 await load
             await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=1.0, abort=rig.workers.none_alive)
@@ -452,10 +442,15 @@ def test_fault_broker_unavailable_at_start(
         worker = workers.start(broker_wait=60)
 
         async def before() -> float:
-            return await worker.wait_for_log("not reachable", 30.0)
+            warned = await worker.wait_for_log("not reachable", 30.0)
+            # Past the first attempt: two more retries logged (after 0.25 s and 0.5 s of backoff).
+            deadline = time.monotonic() + 30.0
+            while worker.text().count("not reachable") < 3:
+                assert worker.alive() and time.monotonic() < deadline, worker.log()
+                await asyncio.sleep(0.1)
+            return warned
 
         warned_after = asyncio.run(before())
-        time.sleep(2.0)  # a few more retries
         text = worker.text()
         assert worker.alive(), worker.log()
         assert "Traceback" not in text, text[-3000:]
@@ -649,11 +644,6 @@ def hostile_corpus(n: int) -> list[Hostile]:
     return corpus
 
 
-def partition_of(key: bytes, partitions: int = PARTITIONS) -> int:
-    every = list(range(partitions))
-    return int(DefaultPartitioner()(key, every, every))
-
-
 def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str) -> None:
     """A few hundred hostile messages (unsigned), then valid transactions on every
     partition: one outcome per message, no crash, nothing blocked behind the poison."""
@@ -665,7 +655,7 @@ def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str)
     covered: Counter[int] = Counter()
     while min(covered[p] for p in range(PARTITIONS)) < 2:
         m = tx_msg(rig.make_tx(), f"v-{len(valid):04d}")
-        covered[partition_of(m.key or b"")] += 1
+        covered[partition_of(m.key or b"", PARTITIONS)] += 1
         valid.append(m)
     biggest = max(len(m.value) for m in messages)
 
@@ -930,7 +920,7 @@ def stallable_redis(frame: pd.DataFrame, workdir: Path) -> Iterator[StallableRed
     """A materialized Redis of the test's own; thawed and stopped (by PID) at the end."""
     server = StallableRedis(stack.start_redis(workdir=workdir))
     try:
-        _materialize(frame, server.url)
+        materialize_into(frame, server.url)
         yield server
     finally:
         if server.stalled:
@@ -1040,18 +1030,26 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                 producer = make_producer(rig.bootstrap)
                 await producer.start()
                 try:
-                    await send_all(producer, rig.topics.transactions, first)
+                    delivered = await send_all(producer, rig.topics.transactions, first)
                     await col.wait_for(lambda: all(col.has_outcome(m) for m in first), DRAIN_TIMEOUT_S, "first decisions")
                     w1.kill9()
                     redis_server.stall()
                     w2 = rig.workers.start()
                     resent = [signed(d, f"again-{i}") for i, d in enumerate(docs[:100])]
-                    await send_all(producer, rig.topics.transactions, resent)
+                    delivered += await send_all(producer, rig.topics.transactions, resent)
                     await col.wait_for(lambda: all(col.has_outcome(m) for m in resent), PROBE_TIMEOUT_S, "resends")
                     redis_server.resume()
+                    # Progress past any redelivery: the second worker has committed every
+                    # partition to its end (a redelivered decision commits with its offset,
+                    # before it), and the reader has read every decision committed by then.
+                    ends: dict[int, int] = {}
+                    for meta in delivered:
+                        ends[meta.partition] = max(ends.get(meta.partition, 0), meta.offset + 1)
+                    committed = await wait_committed(rig, ends, timeout=PROBE_TIMEOUT_S)
+                    assert all(committed.get(p) == end for p, end in ends.items()), (committed, ends)
+                    await col.wait_read_to_end(PROBE_TIMEOUT_S)
                 finally:
                     await producer.stop()
-                await asyncio.sleep(3.0)  # late duplicates would show by now
                 t = tally(col, first, by="correlation")
                 contradicting = []
                 kinds: Counter[str] = Counter()

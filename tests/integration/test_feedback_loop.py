@@ -53,6 +53,7 @@ from workers import (
 )
 
 from models.registry import current_version, read_manifest
+from tests.factories import rules_doc
 from tools.materialize import materialize
 from tools.replay import read_topic
 
@@ -61,14 +62,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 PARTITIONS = 4
 BLOCKED = "d-blocked-feedback"
 #: Thresholds of 1.0: no score reaches them, so the rules alone fix each action.
-RULES = {
-    "version": "rules-feedback-1",
-    "thresholds": {"review": 1.0, "decline": 1.0},
-    "force_review_amount_usd": 10000,
-    "degraded_review_amount_usd": 1_000_000,
-    "allow": {"user_id": [], "device_id": [], "merchant_id": []},
-    "block": {"user_id": [], "device_id": [BLOCKED], "merchant_id": []},
-}
+RULES = rules_doc(
+    "rules-feedback-1", blocked_device=BLOCKED, thresholds={"review": 1.0, "decline": 1.0},
+    degraded_review_amount_usd=1_000_000,
+)
 SECOND = "v29991231-000000"
 
 

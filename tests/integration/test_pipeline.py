@@ -28,13 +28,11 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
-import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.partitioner import DefaultPartitioner
 from workers import Topics, TxFactory  # tests/integration is on sys.path, as test_faults imports it
 
+from tests.factories import materialize_into, partition_of, rules_doc
 from tools import stack
-from tools.materialize import materialize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -62,12 +60,6 @@ class Msg:
     key: bytes
     value: bytes
     correlation: str
-
-
-def partition_of(key: bytes) -> int:
-    """The partition a producer (murmur2, as Java clients) puts ``key`` on."""
-    every = list(range(PARTITIONS))
-    return int(DefaultPartitioner()(key, every, every))
 
 
 def msg(doc: dict[str, Any] | bytes, correlation: str, key: bytes | None = None) -> Msg:
@@ -242,14 +234,7 @@ class Pipeline:
         return asyncio.run(go())
 
 
-RULES = {
-    "version": "rules-integration-1",
-    "thresholds": {"review": 0.5, "decline": 0.9},
-    "force_review_amount_usd": 10000,
-    "degraded_review_amount_usd": 1000,
-    "allow": {"user_id": [], "device_id": [], "merchant_id": []},
-    "block": {"user_id": [], "device_id": [BLOCKED_DEVICE], "merchant_id": []},
-}
+RULES = rules_doc("rules-integration-1", blocked_device=BLOCKED_DEVICE)
 
 
 def _rules_file(path: Path) -> Path:
@@ -300,16 +285,6 @@ def start_pipeline(
     return pipeline
 
 
-def _materialize(frame: pd.DataFrame, url: str, flush: bool = False) -> None:
-    client = redis.Redis.from_url(url)
-    try:
-        if flush:
-            client.flushdb()
-        materialize(frame, client, progress=False)
-    finally:
-        client.close()
-
-
 @pytest.fixture(scope="module")
 def pipeline(
     kafka_bootstrap: str,
@@ -318,7 +293,7 @@ def pipeline(
     trained_registry: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pipeline]:
-    _materialize(sim_frame, redis_url, flush=True)
+    materialize_into(sim_frame, redis_url, flush=True)
     running = start_pipeline(
         kafka_bootstrap, redis_url, sim_frame, trained_registry, tmp_path_factory.mktemp("pipeline")
     )
@@ -484,7 +459,7 @@ def test_a_poison_message_in_a_batch_does_not_cost_the_rest(pipeline: Pipeline) 
     # share a batch. (Not one user: 31 payments at once would exceed the per-user
     # rate limit, burst 30, and be refused for that, which is not this test.)
     users = sorted({p["user_id"] for p in pipeline.make_tx.people})
-    same = [u for u in users if partition_of(u.encode()) == 0][:32]
+    same = [u for u in users if partition_of(u.encode(), PARTITIONS) == 0][:32]
     assert len(same) == 32
     docs = [pipeline.make_tx(user_id=u) for u in same[:31]]
     poison = pipeline.make_tx(user_id=same[31], amount={"$gt": 0})
@@ -517,7 +492,7 @@ def test_redis_outage_degrades_and_recovers(
     url = handles[0].url
     pipeline: Pipeline | None = None
     try:
-        _materialize(sim_frame, url)
+        materialize_into(sim_frame, url)
         pipeline = start_pipeline(kafka_bootstrap, url, sim_frame, trained_registry, workdir / "worker")
 
         # Before: full decisions.
@@ -551,7 +526,7 @@ def test_redis_outage_degrades_and_recovers(
 
         # Redis is back (empty) on the same port; features are materialized again.
         handles.append(stack.start_redis(port=port, workdir=workdir / "redis-2"))
-        _materialize(sim_frame, url)
+        materialize_into(sim_frame, url)
         deadline = time.monotonic() + 30.0
         recovered = None
         wave = 0

@@ -15,7 +15,18 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
-from workers import REPO, Collector, Topics, TxFactory, Workers, make_producer, send_all, tx_msg, worker_env
+from workers import (
+    REPO,
+    Collector,
+    Topics,
+    TxFactory,
+    Workers,
+    committed_offsets,
+    make_producer,
+    send_all,
+    tx_msg,
+    worker_env,
+)
 
 from tools import stack
 
@@ -35,6 +46,19 @@ def labelled(env: dict[str, str]) -> tuple[int, int]:
     """(decisions, labelled) over every model version in the live figures."""
     models = report(env)["models"].values()
     return sum(m["decisions"] for m in models), sum(m["labelled"] for m in models)
+
+
+async def wait_consumed(
+    bootstrap: str, group: str, topic: str, ends: dict[int, int], timeout: float
+) -> dict[int, int | None]:
+    """The group's committed offsets of ``topic``, once they reach ``ends`` or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        committed = await committed_offsets(bootstrap, group, topic, max(ends) + 1)
+        committed = {p: committed.get(p) for p in ends}
+        if committed == ends or time.monotonic() > deadline:
+            return committed
+        await asyncio.sleep(0.5)
 
 
 def test_score_workers_decide_and_the_feedback_worker_joins_the_labels(
@@ -67,15 +91,21 @@ def test_score_workers_decide_and_the_feedback_worker_joins_the_labels(
                     await collector.wait_for(lambda: all(collector.by_tx.get(t) for t in ids), 90, "decisions")
                     sent = [await producer.send(topics.labels, orjson.dumps(lb), key=lb["transaction_id"].encode())
                             for lb in labels]  # fmt: skip
-                    await asyncio.gather(*sent)
+                    delivered = await asyncio.gather(*sent)
                 finally:
                     await producer.stop()
-                return {t: collector.by_tx[t][0] for t in ids}
+                ends: dict[int, int] = {}
+                for meta in delivered:
+                    ends[meta.partition] = max(ends.get(meta.partition, 0), meta.offset + 1)
+                return {t: collector.by_tx[t][0] for t in ids}, ends
 
-        decided = asyncio.run(decide_and_label())
+        decided, label_ends = asyncio.run(decide_and_label())
         assert all(d["action"] in ("approve", "review", "decline") for d in decided.values())
-        # The scoring worker runs no feedback-loop agent: nothing is joined.
-        time.sleep(3.0)
+        # The scoring worker consumes `labels` too (its merchant tally): once its group
+        # has committed them to their end, every agent of that worker has been handed
+        # them. It runs no feedback-loop agent: nothing is joined.
+        consumed = asyncio.run(wait_consumed(kafka_bootstrap, env["FRAUD_APP_ID"], topics.labels, label_ends, 60))
+        assert consumed == label_ends, f"labels committed {consumed}, end {label_ends}\n{workers.logs()}"
         assert labelled(env) == (0, 0), workers.logs()
 
         feedback = workers.start(FRAUD_WORKER_ROLE="feedback")

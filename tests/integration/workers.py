@@ -24,7 +24,6 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +33,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from app.settings import Settings
 from app.topics import ensure_topics, topic_partitions
+from tests.factories import iso, rules_doc
 from tools import stack
 
 REPO = Path(__file__).resolve().parents[2]
 
 #: Rules for the worker under test: the defaults, with a blocked device.
-RULES = {
-    "version": "rules-faults-1",
-    "thresholds": {"review": 0.5, "decline": 0.9},
-    "force_review_amount_usd": 10000,
-    "degraded_review_amount_usd": 1000,
-    "allow": {"user_id": [], "device_id": [], "merchant_id": []},
-    "block": {"user_id": [], "device_id": ["d-blocked-faults"], "merchant_id": []},
-}
+RULES = rules_doc("rules-faults-1", blocked_device="d-blocked-faults")
 
-
-def iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+__all__ = ["RULES", "iso"]  # re-exported: the tests import them from here
 
 
 # --- transactions --------------------------------------------------------------------
@@ -465,6 +456,24 @@ class Collector:
                 )
             await asyncio.sleep(0.05)
         return time.monotonic() - start
+
+    async def wait_read_to_end(self, timeout: float) -> None:
+        """Wait until everything committed to ``decisions`` and the DLQ by now has
+        been read: the reader's position reaches each partition's end (the last
+        stable offset, past any transaction marker)."""
+        assert self._consumer is not None
+        ends = await self._consumer.end_offsets(self.parts)
+        deadline = time.monotonic() + timeout
+        while True:
+            behind = {tp: (await self._consumer.position(tp), end) for tp, end in ends.items()}
+            behind = {tp: pe for tp, pe in behind.items() if pe[0] < pe[1]}
+            if not behind:
+                return
+            if self._task is not None and self._task.done():
+                self._task.result()  # the reader died: say why
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the reader did not reach the end in {timeout:.0f} s (position, end): {behind}")
+            await asyncio.sleep(0.05)
 
     async def wait_all(
         self,

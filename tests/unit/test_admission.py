@@ -6,36 +6,21 @@ import asyncio
 import time
 from typing import Any
 
-import numpy as np
 import orjson
 
 from pipeline.admission import Admission
 from pipeline.auth import InMemoryReplayGuard, sign
 from pipeline.cache import InMemoryDecisionCache
 from pipeline.feature_store import InMemoryFeatureStore
-from pipeline.model import Prediction
 from pipeline.ratelimit import InMemoryRateLimiter
-from pipeline.rules import parse_rules
 from pipeline.scorer import Inbound, Scorer
+from tests.factories import RULES, ConstantModel, tx_bytes
 
 KEY = bytes(range(32))
-RULES = parse_rules(
-    {"version": "r", "thresholds": {"review": 0.5, "decline": 0.9}, "force_review_amount_usd": 10000,
-     "degraded_review_amount_usd": 1000}
-)
-
-
-class LowModel:
-    version = "low-1"
-
-    def predict(self, features: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
-        return Prediction(np.full(len(features), 0.05), [[] for _ in range(len(features))])
 
 
 def tx(i: int, user: str = "u-1") -> bytes:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return orjson.dumps({"transaction_id": f"t-{i}", "user_id": user, "amount": 10.0 + i, "merchant_id": "m-1",
-                         "timestamp": stamp})
+    return tx_bytes(i, transaction_id=f"t-{i}", user_id=user, merchant_id="m-1")
 
 
 def signed(value: bytes, offset: int, client: str = "pos-1", key: bytes = KEY, skew_ms: int = 0) -> Inbound:
@@ -45,8 +30,8 @@ def signed(value: bytes, offset: int, client: str = "pos-1", key: bytes = KEY, s
 
 def scorer(**admission: Any) -> Scorer:
     return Scorer(
-        model=LowModel(), rules=RULES, store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(),
-        admission=Admission(keys={"pos-1": KEY}, **admission),
+        model=ConstantModel(0.05, version="low-1"), rules=RULES, store=InMemoryFeatureStore(),
+        cache=InMemoryDecisionCache(), admission=Admission(keys={"pos-1": KEY}, **admission),
     )
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from datetime import UTC, datetime
 from typing import Any
 
-import numpy as np
 import orjson
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,47 +17,16 @@ from pipeline.admission import Admission
 from pipeline.auth import InMemoryReplayGuard
 from pipeline.cache import InMemoryDecisionCache
 from pipeline.feature_store import InMemoryFeatureStore
-from pipeline.features import FEATURE_NAMES
-from pipeline.model import Prediction
 from pipeline.ratelimit import InMemoryRateLimiter
-from pipeline.rules import parse_rules
 from pipeline.scorer import Inbound, Scorer
+from tests.factories import ConstantModel, rules, tx_doc
 
-RULES = parse_rules(
-    {
-        "version": "rules-metrics-1",
-        "thresholds": {"review": 0.5, "decline": 0.9},
-        "force_review_amount_usd": 10000,
-        "degraded_review_amount_usd": 1000,
-        "allow": {"user_id": [], "device_id": [], "merchant_id": []},
-        "block": {"user_id": [], "device_id": [], "merchant_id": []},
-    }
-)
+RULES = rules("rules-metrics-1")
+VERSION = "const-metrics-1"
 
 
-class ConstantModel:
-    version = "const-metrics-1"
-
-    def __init__(self, score: float, sleep_s: float = 0.0) -> None:
-        self.score = score
-        self.sleep_s = sleep_s
-
-    def predict(self, matrix: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
-        assert matrix.shape[1] == len(FEATURE_NAMES)
-        time.sleep(self.sleep_s)
-        return Prediction(np.full(matrix.shape[0], self.score), [[] for _ in range(matrix.shape[0])])
-
-
-def _tx(i: int, now: float, **over: Any) -> dict[str, Any]:
-    doc = {
-        "transaction_id": f"t-metrics-{i:04d}",
-        "user_id": f"u-{i % 7:03d}",
-        "amount": 10.0 + i,
-        "merchant_id": "m-000001",
-        "timestamp": datetime.fromtimestamp(now - 1.0, UTC).isoformat(),
-    }
-    doc.update(over)
-    return doc
+def _tx(i: int, now: float) -> dict[str, Any]:
+    return tx_doc(i, now, transaction_id=f"t-metrics-{i:04d}")
 
 
 def _inbound(doc: dict[str, Any] | bytes, offset: int, sent: float) -> Inbound:
@@ -95,8 +62,8 @@ def test_counters_follow_batches() -> None:
         limiter=InMemoryRateLimiter(1000, 1000, 1, 2),  # 2 per user, then rate limited
     )  # fmt: skip
     scorer = metrics.instrument(
-        Scorer(model=ConstantModel(0.95), rules=RULES, store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(),
-               admission=admission)  # fmt: skip
+        Scorer(model=ConstantModel(0.95, version=VERSION), rules=RULES, store=InMemoryFeatureStore(),
+               cache=InMemoryDecisionCache(), admission=admission)  # fmt: skip
     )
     now = time.time()
     first = [_tx(i, now) for i in range(4)]  # four users, one each: all declined (score 0.95)
@@ -131,7 +98,7 @@ def test_counters_follow_batches() -> None:
     assert s[("fraud_redis_round_trip_seconds_count", (("op", "enrich"),))] == 2
     assert s[("fraud_redis_round_trip_seconds_count", (("op", "cache_get"),))] == 2
     assert s[("fraud_redis_round_trip_seconds_count", (("op", "rate_limit"),))] == 2
-    assert s[("fraud_model_info", (("model_version", "const-metrics-1"), ("rules_version", "rules-metrics-1")))] == 1
+    assert s[("fraud_model_info", (("model_version", VERSION), ("rules_version", "rules-metrics-1")))] == 1
     assert s[("fraud_worker_throughput_tps", ())] > 0
     assert s[("fraud_worker_capacity_tps", ())] > s[("fraud_worker_throughput_tps", ())]
 
@@ -140,7 +107,7 @@ def test_degraded_by_reason_and_redis_errors() -> None:
     """A model past its budget degrades the batch: counted with the reason, without the number."""
     metrics = WorkerMetrics(Settings())
     scorer = metrics.instrument(
-        Scorer(model=ConstantModel(0.1, sleep_s=0.2), rules=RULES, store=InMemoryFeatureStore(),
+        Scorer(model=ConstantModel(0.1, sleep_s=0.2, version=VERSION), rules=RULES, store=InMemoryFeatureStore(),
                cache=InMemoryDecisionCache(), model_budget_s=0.01)  # fmt: skip
     )
     now = time.time()

@@ -12,7 +12,7 @@ import base64
 import math
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +33,12 @@ from pipeline.features import (
     prepare_history,
 )
 from pipeline.model import Prediction
-from pipeline.rules import parse_rules
 from pipeline.scorer import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits, validate
+from tests.factories import ConstantModel, iso, rules
 
 BLOCKED_DEVICE = "d-blocked-unit"
-RULES = parse_rules(
-    {
-        "version": "rules-unit-1",
-        "thresholds": {"review": 0.5, "decline": 0.9},
-        "force_review_amount_usd": 10000,
-        "degraded_review_amount_usd": 1000,
-        "allow": {"user_id": [], "device_id": [], "merchant_id": []},
-        "block": {"user_id": [], "device_id": [BLOCKED_DEVICE], "merchant_id": []},
-    }
-)
+RULES = rules("rules-unit-1", blocked_device=BLOCKED_DEVICE)
 
 DECISION_FIELDS = {
     "transaction_id", "user_id", "fraud_score", "action", "explanation", "model_version",
@@ -94,7 +85,7 @@ class World:
             "transaction_id": f"t-unit-{self._seq:06d}",
             **person,
             "amount": 42.5,
-            "timestamp": _iso(self.now - 5.0 - self._seq * 0.001),
+            "timestamp": iso(self.now - 5.0 - self._seq * 0.001),
         }
         doc.update(over)
         return {k: v for k, v in doc.items() if v is not None}
@@ -113,29 +104,6 @@ class RecordingStore(InMemoryFeatureStore):
     async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
         self.enriched.extend(tx.transaction_id for tx in txs)
         return await super().enrich(txs)
-
-
-class ConstantModel:
-    """Every row gets ``score``; optionally sleeps first (a model over its budget)."""
-
-    def __init__(self, score: float = 0.1, sleep_s: float = 0.0, version: str = "const-1") -> None:
-        self.score = score
-        self.sleep_s = sleep_s
-        self.version = version
-        self.calls = 0
-
-    def predict(self, matrix: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
-        self.calls += 1
-        assert matrix.shape[1] == len(FEATURE_NAMES)
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        n = matrix.shape[0]
-        explained = explain_above is not None and self.score >= explain_above
-        return Prediction(np.full(n, self.score), [[("amount_usd", 0.5)] if explained else [] for _ in range(n)])
-
-
-def _iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @pytest.fixture(scope="module")
@@ -421,7 +389,7 @@ def test_a_content_resend_in_the_same_batch_follows_the_first(world: World, ense
 def test_same_amount_at_another_time_is_not_a_resend(world: World, ensemble: Any) -> None:
     scorer = make_scorer(world, ensemble)
     doc = world.tx(9)
-    later = dict(doc, transaction_id=doc["transaction_id"] + "-b", timestamp=_iso(world.now - 1.0))
+    later = dict(doc, transaction_id=doc["transaction_id"] + "-b", timestamp=iso(world.now - 1.0))
     first, second = decisions(score(scorer, [inbound(doc, world), inbound(later, world)]))
     assert first["cached"] is False and second["cached"] is False
 
@@ -569,7 +537,7 @@ def test_one_poison_message_does_not_cost_the_other_31(world: World, ensemble: A
     scorer = make_scorer(world, ensemble)
     docs = [world.tx(i) for i in range(40, 71)]
     poison = {"transaction_id": "t-poison-1", "user_id": "u-poison", "amount": {"$gt": 0},
-              "merchant_id": "m-1", "timestamp": _iso(world.now)}  # fmt: skip
+              "merchant_id": "m-1", "timestamp": iso(world.now)}  # fmt: skip
     batch = [inbound(doc, world) for doc in docs[:13]]
     batch.append(inbound(poison, world))
     batch += [inbound(doc, world) for doc in docs[13:]]
