@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -145,6 +146,8 @@ class WorkerMetrics:
         #: itself (app/commits.py); else faust's own record of its commits is read.
         self.committed: Callable[[], Mapping[Any, int]] | None = None
         self.registry.register(_ScrapeTimeCollector(self))
+        # process_cpu_seconds_total: `scale advise` bounds a worker's capacity by its CPU per message.
+        ProcessCollector(registry=self.registry)
 
     # --- wiring -------------------------------------------------------------------
 
@@ -249,9 +252,15 @@ class WorkerMetrics:
         return tps, min(1.0, busy / THROUGHPUT_WINDOW_S), capacity
 
 
+#: A number with the words that only qualify it ("its 50 ms" in "model over its 50 ms budget").
+_NUMBER = re.compile(r"\b(?:its\s+)?\d[\d.,]*\s*(?:ms|s)?(?=\s|$)")
+
+
 def reason_label(why: str) -> str:
-    """A degraded reason without its numbers, so the label set stays small."""
-    return " ".join(w for w in why.split() if not any(c.isdigit() for c in w)) or "unknown"
+    """A degraded reason without its numbers, so the label set stays small.
+    NOTE: the number goes with its unit and "its": "model over its 50 ms
+    budget" is labelled "model over budget", not "model over its ms budget"."""
+    return " ".join(_NUMBER.sub(" ", why).split()) or "unknown"
 
 
 def consumer_lag(highwater: int | None, committed: int | None) -> int | None:

@@ -6,6 +6,10 @@ whole project, tests included, points at existing servers when they are set.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -13,7 +17,19 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings"]
+from app.errors import ConfigError
+
+__all__ = ["OTHER_VARIABLES", "Settings", "check_environment", "get_settings", "unknown_variables"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "FRAUD_"
+
+#: ``FRAUD_*`` variables that are read outside :class:`Settings` (by the tests and
+#: the tooling, docs/configuration.md), so the check below accepts them.
+OTHER_VARIABLES = frozenset({
+    "FRAUD_SOAK", "FRAUD_FAULT_REPORT", "FRAUD_REVIEW_SCREENSHOT", "FRAUD_KAFKA_LIB", "FRAUD_UNKNOWN_ENV",
+})  # fmt: skip
 
 
 class Settings(BaseSettings):
@@ -237,6 +253,57 @@ class Settings(BaseSettings):
     """PSI above which a drift record is flagged and a warning logged."""
 
 
+def _known_variables() -> set[str]:
+    names = {PREFIX + name.upper() for name in Settings.model_fields}
+    for info in Settings.model_fields.values():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            names |= {c.upper() for c in alias.choices if isinstance(c, str) and c.upper().startswith(PREFIX)}
+    return names | OTHER_VARIABLES
+
+
+def unknown_variables(environ: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each ``FRAUD_*`` name in ``environ`` that no setting reads, with the
+    closest valid names (possibly none)."""
+    known = _known_variables()
+    stems = {name[len(PREFIX):]: name for name in known}
+    out: dict[str, list[str]] = {}
+    for name in sorted(environ):
+        upper = name.upper()  # pydantic-settings matches names case-insensitively
+        if upper.startswith(PREFIX) and upper not in known:
+            # Compared without the prefix, which every name shares.
+            close = difflib.get_close_matches(upper[len(PREFIX):], list(stems), n=2, cutoff=0.6)
+            out[name] = [stems[c] for c in close]
+    return out
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse unknown ``FRAUD_*`` variables, naming the closest valid ones.
+
+    NOTE: pydantic ignores an unknown variable, so a typo such as
+    ``FRAUD_GATEWAY_RATE_BURST`` (for ``FRAUD_GATEWAY_BURST``) would silently
+    leave a limit at its default; the worker, the gateway and the CLI refuse to
+    start instead. ``FRAUD_UNKNOWN_ENV=warn`` only logs them (e.g. one env file
+    shared with a newer release that has more settings).
+    """
+    environ = os.environ if environ is None else environ
+    unknown = unknown_variables(environ)
+    if not unknown:
+        return
+    parts = [
+        f"{name} (did you mean {' or '.join(close)}?)" if close else name for name, close in unknown.items()
+    ]
+    message = (
+        f"unknown setting{'s' if len(parts) > 1 else ''} in the environment: {'; '.join(parts)} "
+        "(every setting: docs/configuration.md; FRAUD_UNKNOWN_ENV=warn starts anyway)"
+    )
+    if environ.get("FRAUD_UNKNOWN_ENV", "").strip().lower() == "warn":
+        log.warning("%s", message)
+        return
+    raise ConfigError(message)
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
+    check_environment()
     return Settings()

@@ -14,9 +14,11 @@ from pipeline.validate import ERROR_CODES, MAX_AMOUNT, MAX_ID_LEN
 
 __all__ = ["GATEWAY_ERROR_CODES", "openapi_document"]
 
-#: Error codes of the gateway itself, besides the transaction validation codes.
+#: Error codes of the gateway itself, besides the transaction validation codes;
+#: ``internal_error`` is the pipeline's (a reject decision when scoring failed).
 GATEWAY_ERROR_CODES: tuple[str, ...] = (
     "unauthenticated", "rate_limited", "decision_timeout", "dead_lettered", "broker_unavailable", "bad_label",
+    "internal_error",
 )  # fmt: skip
 
 _ID = {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN}
@@ -111,25 +113,61 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
     return response
 
 
+def _served_transaction_schema() -> dict[str, Any]:
+    """The transaction as the worker validated it (the review items' ``transaction``):
+    NOTE: not the request schema: ``timestamp`` is epoch seconds and every
+    optional field is present, ``null`` when it was not sent."""
+    request = _transaction_schema()["properties"]
+    properties = {
+        name: ({**schema, "type": [schema["type"], "null"]} if name not in REQUIRED_FIELDS else dict(schema))
+        for name, schema in request.items()
+    }
+    properties["timestamp"] = {"type": "number", "description": "Epoch seconds (UTC)."}
+    properties["currency"] = {"type": "string", "enum": sorted(CURRENCY_TO_USD)}
+    for schema in properties.values():
+        schema.pop("default", None)
+    return {"type": "object", "required": list(properties), "properties": properties}
+
+
 def _review_item_schema() -> dict[str, Any]:
     return {
         "type": "object",
+        "required": ["transaction_id", "decided_at", "fraud_score", "explanation", "transaction", "features", "label"],
         "properties": {
             "transaction_id": _STR,
-            "decided_at": _NUM,
+            "decided_at": {**_NUM, "description": "Epoch seconds."},
             "fraud_score": _NUM,
             "explanation": {"type": "array", "items": _STR},
             "degraded": {"type": "boolean"},
             "model_version": nullable_field(),
             "rules_version": nullable_field(),
-            "transaction": {"$ref": "#/components/schemas/Transaction"},
+            "transaction": {"$ref": "#/components/schemas/ServedTransaction"},
             "features": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
+            "reason_features": {
+                "type": "array", "items": _STR,
+                "description": "The features whose values the explanation's reasons put in words.",
+            },  # fmt: skip
             "label": {
                 "oneOf": [
                     {"type": "null"},
                     {"type": "object", "properties": {"label": {"enum": list(LABELS)}, "source": _STR, "labeled_at": _NUM}},
                 ]
             },
+        },
+    }
+
+
+def _review_page_schema() -> dict[str, Any]:
+    count = {"type": "integer", "minimum": 0}
+    return {
+        "type": "object",
+        "required": ["items", "matching", "total", "offset", "limit"],
+        "properties": {
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ReviewItem"}},
+            "matching": {**count, "description": "Decisions that pass the filters (items is one page of them)."},
+            "total": {**count, "description": "Decisions the gateway keeps in review (FRAUD_GATEWAY_REVIEW_LIMIT)."},
+            "offset": count,
+            "limit": count,
         },
     }
 
@@ -168,7 +206,9 @@ def _components() -> dict[str, Any]:
         "schemas": {
             "Transaction": _transaction_schema(),
             "Decision": _decision_schema(),
+            "ServedTransaction": _served_transaction_schema(),
             "ReviewItem": _review_item_schema(),
+            "ReviewPage": _review_page_schema(),
             **_error_schemas(),
         },
     }
@@ -214,17 +254,21 @@ def _review_paths() -> dict[str, Any]:
     return {
         "/v1/review/decisions": {
             "get": {
-                "summary": "Decisions in review, newest first (analyst key)",
+                "summary": "Decisions in review, newest first, a page at a time (analyst key)",
                 "operationId": "listReview",
-                "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}}],
+                "parameters": [
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "default": 100}},
+                    {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
+                    {"name": "min_score", "in": "query", "schema": {"type": "number", "minimum": 0, "maximum": 1}},
+                    {"name": "max_age_s", "in": "query", "schema": {"type": "number", "exclusiveMinimum": 0},
+                     "description": "Only decisions made at most this many seconds ago."},
+                ],  # fmt: skip
                 "responses": {
                     "200": {
-                        "description": "The review queue.",
-                        "content": {"application/json": {"schema": {
-                            "type": "object",
-                            "properties": {"items": {"type": "array", "items": {"$ref": "#/components/schemas/ReviewItem"}}},
-                        }}},
-                    },  # fmt: skip
+                        "description": "One page of the review queue, with how many match and how many are kept.",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReviewPage"}}},
+                    },
+                    "400": _error("A parameter is not a number."),
                     "401": _unauthorized(),
                 },
             }

@@ -334,12 +334,19 @@ async def get_review_items(request: web.Request) -> web.Response:
     gw = _gateway(request)
     if gw.analyst_keys.client_of(presented_key(request)) is None:
         return unauthorized("analyst key")
+    query = request.query
     try:
-        limit = int(request.query.get("limit", "100"))
+        limit = max(1, int(query.get("limit", "100")))
+        offset = max(0, int(query.get("offset", "0")))
+        min_score = float(query["min_score"]) if query.get("min_score") else None
+        max_age_s = float(query["max_age_s"]) if query.get("max_age_s") else None
     except ValueError:
-        return error_response(400, "out_of_range", "limit must be an integer", field="limit")
+        return error_response(
+            400, "out_of_range", "limit and offset must be integers, min_score and max_age_s numbers"
+        )
     assert gw.review is not None
-    return json_response({"items": gw.review.listing(max(1, limit))})
+    page = gw.review.page(limit, offset, min_score=min_score, max_age_s=max_age_s, now=time.time())
+    return json_response({**page, "limit": limit})
 
 
 async def post_label(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ format of :mod:`pipeline.labels`.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
@@ -25,9 +26,11 @@ import orjson
 
 from app.settings import Settings
 from gateway.replies import TopicReader
+from pipeline.decide import describe_reason
+from pipeline.features import FEATURE_NAMES
 from pipeline.labels import LABELS, Label, parse_label
 
-__all__ = ["ReviewQueue", "ReviewReader", "analyst_label"]
+__all__ = ["ReviewQueue", "ReviewReader", "analyst_label", "reason_features"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ class ReviewQueue:
         if not isinstance(txid, str):
             return False
         self._items.pop(txid, None)
+        features = doc.get("features") or {}
+        explanation = decision.get("explanation") or []
         self._items[txid] = {
             "transaction_id": txid,
             "decided_at": decision.get("decided_at") or 0.0,
@@ -64,7 +69,8 @@ class ReviewQueue:
             "model_version": decision.get("model_version"),
             "rules_version": decision.get("rules_version"),
             "transaction": tx,
-            "features": doc.get("features") or {},
+            "features": features,
+            "reason_features": reason_features(features, explanation),
         }
         while len(self._items) > self.limit:
             self._items.popitem(last=False)
@@ -85,11 +91,51 @@ class ReviewQueue:
 
     def listing(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Newest decision first, each with ``label`` (None until labelled)."""
+        return self.page(limit)["items"]
+
+    def page(
+        self,
+        limit: int | None = None,
+        offset: int = 0,
+        *,
+        min_score: float | None = None,
+        max_age_s: float | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        """One page of the queue, newest first, after the filters: ``items``,
+        ``matching`` (how many pass the filters), ``total`` (how many are kept)
+        and ``offset``. NOTE: the counts are what the page states as "N of M",
+        so a queue longer than one page is never shown as if it were whole."""
         items = sorted(self._items.values(), key=lambda item: item["decided_at"], reverse=True)
-        return [{**item, "label": self._labels.get(item["transaction_id"])} for item in items[:limit]]
+        if min_score is not None:
+            items = [i for i in items if isinstance(i["fraud_score"], (int, float)) and i["fraud_score"] >= min_score]
+        if max_age_s is not None and now is not None:
+            items = [i for i in items if now - i["decided_at"] <= max_age_s]
+        offset = max(0, offset)
+        end = None if limit is None else offset + limit
+        return {
+            "items": [{**item, "label": self._labels.get(item["transaction_id"])} for item in items[offset:end]],
+            "matching": len(items),
+            "total": len(self._items),
+            "offset": offset,
+        }
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def reason_features(features: Any, explanation: list[Any]) -> list[str]:
+    """The features behind the explanation's reasons: those whose value, in
+    words (:func:`pipeline.decide.describe_reason`), is one of the reasons."""
+    if not isinstance(features, dict) or not features:
+        return []
+    row = [_number(features.get(name)) for name in FEATURE_NAMES]
+    words = set(w for w in explanation if isinstance(w, str))
+    return [name for name in FEATURE_NAMES if name in features and describe_reason(name, row) in words]
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def analyst_label(transaction_id: str, label: str, merchant_id: str | None, now: float) -> bytes:

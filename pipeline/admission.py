@@ -9,10 +9,12 @@ The scorer asks twice per batch:
    real payment's decision (see :mod:`pipeline.auth`).
 2. :meth:`Admission.admit` (after the decision cache missed, so a resend costs
    no tokens and is never "replayed"): the replay guard and the token buckets,
-   asked at the same time. A replay is dead-lettered; a transaction
+   asked at the same time. A replay is dead-lettered (a replay of a decided
+   record never gets here: the cache answered it with that decision); a transaction
    over its client's or user's rate gets a ``reject`` decision with code
    ``rate_limited`` and the wait in its reason (it is authenticated, so
-   answering it is safe, and the shopper is not left waiting).
+   answering it is safe, and the shopper is not left waiting), plus a dead
+   letter like every refusal.
 
 If Redis cannot answer either question the batch is admitted (fail open) and
 the failure is counted: the signature window still bounds replays, and

@@ -18,11 +18,17 @@ _WINDOW_WORDS = {
     "30d": "30 days",
 }
 _INDEX = {name: i for i, name in enumerate(FEATURE_NAMES)}
+#: Features that are NaN only because an optional field was not sent, in words.
+_NOT_SENT = {"new_device": "no device_id sent"}
 
 
 def describe_reason(name: str, row: Sequence[float]) -> str:
     """One model reason in words, using the transaction's own feature values."""
     value = float(row[_INDEX[name]])
+    if math.isnan(value) and name in _NOT_SENT:
+        # NOTE: NaN here only means the client left the field out
+        # (pipeline/features.py); "new device unknown" read as a suspicious device.
+        return _NOT_SENT[name]
     if math.isnan(value):
         return f"{name.replace('_', ' ')} unknown"
     window = _WINDOW_WORDS.get(name.rsplit("_", 1)[-1], "")

@@ -4,7 +4,8 @@ Evaluation order (first match decides, except where noted):
 
 1. **block lists** (user, device, merchant) → ``decline``;
 2. **amount** in USD above ``force_review_amount_usd`` → at least ``review``
-   (``decline`` if the score reaches the decline threshold);
+   (``decline`` if the score reaches the decline threshold: then the score
+   decided, and the explanation says so first);
 3. **confirmed-fraud merchant**: analysts/chargebacks confirmed at least
    ``confirmed_fraud_merchant.min_frauds`` frauds there, making at least
    ``min_share`` of its labels → at least ``review`` (the live tally from the
@@ -152,10 +153,8 @@ def evaluate_rules(
             return RuleOutcome("decline", (f"blocked {field.removesuffix('_id')} {value}",), "block_list")
     amount = tx.amount_usd
     if amount > rules.force_review_amount_usd:
-        hit = f"amount {amount:,.2f} USD over {rules.force_review_amount_usd:,.0f}: forced review"
-        if score is not None and score >= rules.decline_threshold:
-            return RuleOutcome("decline", (hit,), "amount")
-        return RuleOutcome("review", (hit,), "amount")
+        hit = f"amount {amount:,.2f} USD over {rules.force_review_amount_usd:,.0f}"
+        return _at_least_review(rules, score, hit, "amount")
     if (
         rules.merchant_min_frauds
         and merchant is not None
@@ -163,9 +162,7 @@ def evaluate_rules(
         and merchant.fraud_share >= rules.merchant_min_share
     ):
         hit = f"merchant {tx.merchant_id} has {merchant.fraud} confirmed frauds ({merchant.fraud_share:.0%} of its labels)"
-        if score is not None and score >= rules.decline_threshold:
-            return RuleOutcome("decline", (hit,), "confirmed_fraud_merchant")
-        return RuleOutcome("review", (hit,), "confirmed_fraud_merchant")
+        return _at_least_review(rules, score, hit, "confirmed_fraud_merchant")
     for field in LIST_FIELDS:
         value = getattr(tx, field)
         if value is not None and value in rules.allow[field]:
@@ -183,3 +180,14 @@ def evaluate_rules(
     if score >= rules.review_threshold:
         return RuleOutcome("review", (f"score {score:.3f} at or above review threshold {rules.review_threshold}",))
     return RuleOutcome("approve", (f"score {score:.3f} below review threshold {rules.review_threshold}",))
+
+
+def _at_least_review(rules: RuleSet, score: float | None, hit: str, rule: str) -> RuleOutcome:
+    """A rule that puts a floor of ``review`` under the action. NOTE: when the
+    score declines anyway, the score decided: its reason comes first and the
+    decline is counted for ``score``, and the rule's hit is worded as the floor
+    it is, so no explanation of a decline reads "forced review"."""
+    if score is not None and score >= rules.decline_threshold:
+        decided = f"score {score:.3f} at or above decline threshold {rules.decline_threshold}"
+        return RuleOutcome("decline", (decided, f"{hit}: at least review"), "score")
+    return RuleOutcome("review", (f"{hit}: forced review",), rule)

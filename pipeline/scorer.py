@@ -8,10 +8,11 @@
 
 :class:`Scorer` is free of Kafka: it turns a list of :class:`Inbound` messages
 into a :class:`BatchOutput` (what to produce where). The faust agent in
-:mod:`agents.score` only moves batches in and out. Every message gets exactly
-one outcome: a decision, or a decision with action ``reject`` plus a
-dead-letter record; nothing raised here may escape (faust would ack and lose
-the batch).
+:mod:`agents.score` only moves batches in and out. Every message is answered
+once: a decision; a refused one a ``reject`` decision plus a dead-letter record
+when its transaction id can be read, else (and when unauthenticated) the dead
+letter alone (docs/contract.md, *Outcomes*); nothing raised here may escape
+(faust would ack and lose the batch).
 """
 
 from __future__ import annotations

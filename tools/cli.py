@@ -492,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        from app.settings import check_environment
+
+        check_environment()  # before any command: a mistyped FRAUD_* name must not pass silently
         return int(args.func(args))
     except Exception as exc:  # one clear line for the operator, not a traceback
         from app.errors import FraudPipelineError

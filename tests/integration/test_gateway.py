@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -420,6 +421,11 @@ def test_review_page_labels_a_transaction_in_a_browser(rig: Rig, browser: Any, t
     assert "amount_usd" in text  # the served features
     first = browser.find_elements(By.CSS_SELECTOR, "section.card")[0]
     assert first.get_attribute("data-transaction-id") == txid  # newest first
+    shown = len(browser.find_elements(By.CSS_SELECTOR, "section.card"))
+    assert re.fullmatch(rf"\({shown} of \d+\)", browser.find_element(By.ID, "count").text)  # never a silent cap
+    assert card.get_attribute("data-risk") in ("high", "medium", "low", "unknown")
+    if decision["fraud_score"] >= 0.5:  # scored: the features behind its reasons are marked
+        assert card.find_elements(By.CSS_SELECTOR, ".features .reason")
     shot = tmp_path / "review-page.png"
     browser.save_screenshot(str(shot))
     check_png(shot)

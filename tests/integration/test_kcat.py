@@ -71,6 +71,10 @@ def test_the_readme_kcat_example_gets_its_decision(
     assert line.startswith("key=t-demo-1 {"), line
     decision = json.loads(line.split(" ", 1)[1])
     assert decision["transaction_id"] == "t-demo-1" and decision["user_id"] == "u-000042"
-    assert decision["action"] in ("approve", "review", "decline")
+    # 15,000 USD: over the 10,000 USD floor, so never approved; the README's comment shows what decided.
+    assert decision["action"] in ("review", "decline"), decision
+    if decision["action"] == "decline":
+        assert decision["explanation"][0].startswith("score ") and "decline threshold" in decision["explanation"][0]
+    assert not any("new device" in w for w in decision["explanation"]), decision  # no device_id was sent
     assert decision["correlation_id"] == "abc123"
     assert not decision["degraded"], decision

@@ -99,3 +99,34 @@ def test_a_resend_is_answered_from_cache_without_spending_tokens() -> None:
     first, _ = run(s, [signed(tx(1), 1)])
     again, _ = run(s, [signed(tx(1), 2)])
     assert first[0]["action"] == "approve" and again[0]["cached"] is True
+
+
+def test_a_replay_of_a_decided_record_gets_a_copy_of_its_decision_and_no_dead_letter() -> None:
+    s = scorer(replay=InMemoryReplayGuard())
+    first = signed(tx(1), 10)
+    decided, _ = run(s, [first])
+    # The same signed bytes as another record (a replay, or a producer's retry), with another correlation id.
+    replay = Inbound(first.value, {**first.headers, "correlation-id": b"replayer"}, time.time(), 0, 11)
+    copies, dlq = run(s, [replay])
+    assert dlq == []
+    assert len(copies) == 1 and copies[0]["cached"] is True and copies[0]["correlation_id"] == "replayer"
+    same = ("transaction_id", "action", "fraud_score", "explanation", "model_version", "decided_at")
+    assert {k: copies[0][k] for k in same} == {k: decided[0][k] for k in same}
+
+
+def test_rejects_with_a_readable_id_get_a_decision_and_a_dead_letter() -> None:
+    """docs/contract.md, *Outcomes*: what each refusal produces, exactly."""
+    limiter = InMemoryRateLimiter(100.0, 100.0, 1.0, 1.0, clock=lambda: 1000.0)
+    s = scorer(limiter=limiter)
+    bad = orjson.dumps({"transaction_id": "t-bad", "user_id": "u-2", "amount": "lots", "merchant_id": "m-1",
+                        "timestamp": "2026-01-01T00:00:00Z"})  # fmt: skip
+    unreadable = b"{not json"
+    batch = [signed(tx(1), 1), signed(tx(2), 2), signed(bad, 3), signed(unreadable, 4), Inbound(tx(5), {}, 0.0, 0, 5)]
+    decisions, dlq = run(s, batch)
+    assert sorted((d["transaction_id"], d["action"]) for d in decisions) == [
+        ("t-1", "approve"), ("t-2", "reject"), ("t-bad", "reject"),
+    ]  # fmt: skip
+    codes = sorted((r["transaction_id"], r["error"]["code"]) for r in dlq if r["transaction_id"])
+    assert codes == [("t-2", "rate_limited"), ("t-bad", "wrong_type")]
+    assert sorted(r["error"]["code"] for r in dlq if not r["transaction_id"]) == ["bad_json", "unauthenticated"]
+    assert all("value_bytes" in r and "value_b64" in r for r in dlq)

@@ -115,3 +115,39 @@ def test_combine_broker_samples() -> None:
     m = combine_broker(first, second, interval_s=10.0, workers=2)
     assert m.arrival_tps == 9.0 and m.processed_tps == 8.0  # (60 + 30) / 10 arrived, (60 + 20) / 10 committed
     assert m.lag == 10 + 60 and m.partitions_seen == 2 and m.capacity_per_worker_tps is None
+
+
+def test_an_idle_worker_with_part_empty_batches_is_not_scaled_up() -> None:
+    """30 TPS on one worker using 19 % of a core: its one-message batches are
+    busy 81 % of the time (37 messages per busy second), which once advised 1 -> 2."""
+    interval, tps, batch_size = 30.0, 30.0, 32
+    messages, busy, cpu = tps * interval, tps * interval / 37.0, 0.19 * interval
+    first = [WorkerScrape("a", 0.0, 0.0, math.nan, {("transactions", "0"): 0.0}, 100.0, 0.0, 0.0)]
+    second = [WorkerScrape("a", messages, busy, math.nan, {("transactions", "0"): 0.0},
+                           100.0 + cpu, messages / batch_size, messages)]  # fmt: skip
+    m = combine(first, second, interval)
+    assert m.capacity_per_worker_tps is not None and m.capacity_per_worker_tps > 150  # 900 / 5.7 CPU s
+    advice = advise(
+        lag=m.lag, arrival_tps=m.arrival_tps, capacity_per_worker_tps=m.capacity_per_worker_tps,
+        partitions=8, current_workers=1,
+    )  # fmt: skip
+    assert advice.workers == 1, advice.reasons
+    # Without the CPU and fill figures the old estimate stands (and would scale up).
+    bare = combine([_w("a", 0.0, 0.0, {"0": 0})], [_w("a", messages, busy, {"0": 0})], interval)
+    assert bare.capacity_per_worker_tps == pytest.approx(37.0)
+
+
+def test_a_saturated_worker_keeps_messages_per_busy_second() -> None:
+    first = [WorkerScrape("a", 0.0, 0.0, math.nan, {}, 0.0, 0.0, 0.0)]
+    second = [WorkerScrape("a", 9000.0, 30.0, math.nan, {}, 29.0, 280.0, 290.0)]  # batches 97 % full
+    assert combine(first, second, 30.0).capacity_per_worker_tps == 300.0
+
+
+def test_parse_scrape_reads_cpu_and_batch_fill() -> None:
+    text = SCRAPE + (
+        "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n"
+        "# TYPE fraud_batch_fill_ratio histogram\nfraud_batch_fill_ratio_bucket{le=\"+Inf\"} 40.0\n"
+        "fraud_batch_fill_ratio_count 40.0\nfraud_batch_fill_ratio_sum 10.0\n"
+    )
+    w = parse_scrape("http://w1:6066/metrics", text)
+    assert (w.cpu_seconds, w.fill_sum, w.batches) == (12.5, 10.0, 40.0)

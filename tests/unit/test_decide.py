@@ -44,3 +44,16 @@ def test_rule_hits_come_first_and_duplicates_go() -> None:
         ["amount 15,000.00 USD over 10,000: forced review"],
     )
     assert words == ["amount 15,000.00 USD over 10,000: forced review", "amount 15,000.00 USD", "new device"]
+
+
+def test_a_device_id_not_sent_is_not_an_unknown_new_device() -> None:
+    from app.contract import Transaction
+    from pipeline.features import UserProfile, feature_row
+
+    profile = UserProfile(3, 10, 40, 20.0, 20.0, 20.0, 5.0, 48.1, 11.6, frozenset({"d-1"}), 0.0, 86400.0)
+    for known in (profile, None):  # a known user and a new one
+        tx = Transaction("t", "u", 15000.0, "m", 90000.0)  # no device_id
+        features = feature_row(tx, known, None, [0.0] * 6)
+        words = explain([("new_device", 0.4)], features, [])
+        assert words == ["no device_id sent"], words
+        assert not any("new device" in w for w in words)

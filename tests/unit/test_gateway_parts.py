@@ -135,6 +135,33 @@ def test_review_queue_keeps_reviews_newest_first_and_bounded() -> None:
     assert listing[0]["explanation"] and listing[0]["label"] is None
 
 
+def test_review_pages_state_how_many_match_and_filter_by_score_and_age() -> None:
+    queue = ReviewQueue(limit=500)
+    for i in range(128):  # more than one page of the page's default 100
+        doc = feedback(f"t-{i:03d}", "review", 1000.0 + i)
+        doc["decision"]["fraud_score"] = 0.5 + i / 400
+        queue.add_feedback(doc)
+    first = queue.page(100, 0)
+    assert (len(first["items"]), first["matching"], first["total"]) == (100, 128, 128)
+    rest = queue.page(100, 100)
+    assert len(rest["items"]) == 28 and rest["offset"] == 100
+    seen = [item["transaction_id"] for item in first["items"] + rest["items"]]
+    assert seen == [f"t-{i:03d}" for i in range(127, -1, -1)]  # every one, newest first, once
+    risky = queue.page(100, 0, min_score=0.8)
+    assert risky["matching"] == 8 and all(item["fraud_score"] >= 0.8 for item in risky["items"])
+    recent = queue.page(100, 0, max_age_s=9.5, now=1127.0)
+    assert [item["transaction_id"] for item in recent["items"]][-1] == "t-118" and recent["total"] == 128
+
+
+def test_review_items_name_the_features_behind_their_reasons() -> None:
+    doc = feedback("t-1", "review", 1.0)
+    doc["decision"]["explanation"] = ["score 0.600 at or above review threshold 0.5", "no device_id sent",
+                                      "amount 10.00 USD"]  # fmt: skip
+    queue = ReviewQueue()
+    queue.add_feedback(doc)
+    assert queue.listing()[0]["reason_features"] == ["amount_usd", "new_device"]
+
+
 def test_review_mark_matches_what_the_worker_writes() -> None:
     assert REVIEW_MARK in orjson.dumps(feedback("t-1", "review", 1.0))
     assert REVIEW_MARK not in orjson.dumps(feedback("t-1", "approve", 1.0))
@@ -173,7 +200,7 @@ def test_openapi_document_follows_the_contract() -> None:
     assert schemas["Transaction"]["required"] == list(REQUIRED_FIELDS)
     assert set(schemas["Transaction"]["properties"]) == set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS)
     assert schemas["Decision"]["properties"]["action"]["enum"] == list(ACTIONS)
-    assert set(ERROR_CODES) <= set(schemas["ErrorDetail"]["properties"]["code"]["enum"])
+    assert set(ERROR_CODES) | {"internal_error", "rate_limited"} <= set(schemas["ErrorDetail"]["properties"]["code"]["enum"])
     assert {"/v1/transactions", "/v1/review/decisions", "/healthz", "/openapi.json", "/review"} <= set(doc["paths"])
     refs = {ref.split("/")[-1] for ref in _refs(doc)}
     assert refs <= set(schemas), refs - set(schemas)

@@ -116,13 +116,14 @@ def test_degraded_by_reason_and_redis_errors() -> None:
     store.fail = RuntimeError("down")
     _run_batch(scorer, metrics, [_inbound(_tx(10 + i, now), 10 + i, now) for i in range(2)])
     s = _samples(metrics)
-    assert s[("fraud_degraded_decisions_total", (("reason", "model over its ms budget"),))] == 3
+    assert s[("fraud_degraded_decisions_total", (("reason", "model over budget"),))] == 3
     assert s[("fraud_degraded_decisions_total", (("reason", "feature store unavailable"),))] == 2
     assert s[("fraud_redis_errors_total", (("op", "enrich"),))] == 1
 
 
 def test_degraded_reason_label() -> None:
-    assert reason_label("model over its 50 ms budget") == "model over its ms budget"
+    assert reason_label("model over its 50 ms budget") == "model over budget"
+    assert reason_label("model over its 12.5 ms budget") == "model over budget"  # one label, any budget
     assert reason_label("model failed: ValueError") == "model failed: ValueError"
     assert reason_label("") == "unknown"
 
@@ -152,3 +153,11 @@ def test_the_throughput_window_stays_bounded_when_nobody_scrapes() -> None:
     metrics._window.extend([(old, 32, 0.01)] * 1000)
     metrics.observe_batch([Inbound(value=b"{}")], BatchOutput(), time.perf_counter())
     assert len(metrics._window) == 1
+
+
+def test_a_scrape_carries_what_scale_advise_needs() -> None:
+    from tools.autoscale import parse_scrape
+
+    metrics = WorkerMetrics(Settings())
+    w = parse_scrape("w", generate_latest(metrics.registry).decode())
+    assert w.cpu_seconds > 0 and w.batches == 0.0 and w.fill_sum == 0.0

@@ -9,6 +9,7 @@ import pytest
 
 from app.contract import Transaction
 from app.errors import RulesError
+from pipeline.labels import Label, MerchantTally
 from pipeline.rules import evaluate_rules, load_rules, parse_rules
 
 RULES = {
@@ -50,6 +51,28 @@ rules = parse_rules(RULES)
 )
 def test_evaluation_order(t: Transaction, score: float | None, action: str) -> None:
     assert evaluate_rules(rules, t, score).action == action
+
+
+def test_a_decline_on_score_names_the_threshold_not_the_floor() -> None:
+    for merchant_rule in (False, True):
+        with_rule = parse_rules({**RULES, "confirmed_fraud_merchant": {"min_frauds": 1, "min_share": 0.5}})
+        tally = _fraud_tally(2)
+        outcome = (
+            evaluate_rules(with_rule, tx(), 0.986, tally) if merchant_rule else evaluate_rules(rules, tx(15000), 0.986)
+        )
+        assert outcome.action == "decline" and outcome.rule == "score"
+        assert outcome.hits[0] == "score 0.986 at or above decline threshold 0.9"
+        assert outcome.hits[1].endswith(": at least review")
+        assert not any("forced review" in hit for hit in outcome.hits)
+    low = evaluate_rules(rules, tx(15000), 0.6)  # the floor set the action: its reason first
+    assert (low.action, low.rule, low.hits) == ("review", "amount", ("amount 15,000.00 USD over 10,000: forced review",))
+
+
+def _fraud_tally(frauds: int) -> MerchantTally:
+    tally = MerchantTally()
+    for i in range(frauds):
+        tally.apply(Label(f"t{i}", "fraud", "analyst", 0.0, "m-1"))
+    return tally
 
 
 def test_rule_hits_are_in_words() -> None:

@@ -498,8 +498,21 @@ def test_amount_over_the_review_limit_is_reviewed_by_rule(world: World, ensemble
     real = make_scorer(world, ensemble)
     [d] = decisions(score(real, [inbound(world.tx(28, amount=15000.0, currency="USD"), world)]))
     check_full_decision(d)
-    assert d["action"] == ("decline" if d["fraud_score"] >= RULES.decline_threshold else "review")
-    assert "forced review" in d["explanation"][0]
+    if d["fraud_score"] >= RULES.decline_threshold:  # the score decided, and says so first
+        assert d["action"] == "decline"
+        assert d["explanation"][0].startswith(f"score {d['fraud_score']:.3f} at or above decline threshold")
+        assert "amount 15,000.00 USD over 10,000: at least review" in d["explanation"]
+    else:
+        assert d["action"] == "review"
+        assert "forced review" in d["explanation"][0]
+
+    # A decline-level score: the explanation names the decline threshold first, never "forced review".
+    high = make_scorer(world, ConstantModel(0.986))
+    [d] = decisions(score(high, [inbound(world.tx(30, amount=15000.0, currency="USD"), world)]))
+    assert d["action"] == "decline"
+    assert d["explanation"][0] == "score 0.986 at or above decline threshold 0.9"
+    assert d["explanation"][1] == "amount 15,000.00 USD over 10,000: at least review"
+    assert not any("forced review" in w for w in d["explanation"])
 
 
 def test_a_blocklisted_device_is_declined(world: World, ensemble: Any) -> None:
@@ -714,3 +727,76 @@ def test_records_are_grouped_by_the_partition_they_came_from(world: World, ensem
     assert [t for t, _, _ in grouped[2]].count("dlq") == 1  # the bad record's dead letter stays with its partition
     assert [t for t, _, _ in grouped[0]].count("m") == 1  # the batch's monitoring record, once
     assert sum(len(r) for r in grouped.values()) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1
+
+
+# --- what the review endpoint serves, against its OpenAPI schema ----------------
+
+
+def _check_schema(value: Any, schema: dict[str, Any], schemas: dict[str, Any], where: str = "$") -> None:
+    """The JSON Schema subset the gateway's document uses: $ref, oneOf, type
+    (lists too), enum, required, properties, additionalProperties, items, bounds."""
+    if "$ref" in schema:
+        return _check_schema(value, schemas[schema["$ref"].rsplit("/", 1)[-1]], schemas, where)
+    if "oneOf" in schema:
+        matches = 0
+        for option in schema["oneOf"]:
+            try:
+                _check_schema(value, option, schemas, where)
+                matches += 1
+            except AssertionError:
+                pass
+        assert matches == 1, f"{where}: {value!r} matches {matches} of oneOf"
+        return None
+    kinds = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "object": dict,
+             "array": list, "null": type(None)}  # fmt: skip
+    types = schema.get("type")
+    if types is not None:
+        allowed = [types] if isinstance(types, str) else types
+        ok = any(isinstance(value, kinds[t]) and not (t in ("number", "integer") and isinstance(value, bool))
+                 for t in allowed)  # fmt: skip
+        assert ok, f"{where}: {value!r} is not {allowed}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        assert value >= schema.get("minimum", -math.inf) and value <= schema.get("maximum", math.inf), where
+        assert value > schema.get("exclusiveMinimum", -math.inf), where
+    if isinstance(value, dict):
+        for name in schema.get("required", []):
+            assert name in value, f"{where}: {name} missing"
+        props = schema.get("properties", {})
+        for name, item in value.items():
+            if name in props:
+                _check_schema(item, props[name], schemas, f"{where}.{name}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                _check_schema(item, schema["additionalProperties"], schemas, f"{where}.{name}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check_schema(item, schema["items"], schemas, f"{where}[{i}]")
+    return None
+
+
+def test_served_review_items_match_the_openapi_schema(world: World) -> None:
+    from gateway.openapi import openapi_document
+    from gateway.review import ReviewQueue
+    from pipeline.labels import parse_label
+
+    scorer = make_scorer(world, ConstantModel(0.6))  # at the review threshold: every decision in review
+    docs = [world.tx(40), world.tx(41, device_id=None, lat=None, lon=None, merchant_category=None, country=None)]
+    out = score(scorer, [inbound(doc, world) for doc in docs])
+    queue = ReviewQueue()
+    assert all(queue.add_feedback(orjson.loads(value)) for _, value in out.feedback)
+    label = parse_label(orjson.dumps({"transaction_id": docs[0]["transaction_id"], "label": "fraud",
+                                      "source": "analyst", "labeled_at": "2026-12-02T11:00:00Z"}))  # fmt: skip
+    assert not isinstance(label, str)
+    queue.add_label(label)
+    page = {**queue.page(100, 0, now=world.now), "limit": 100}  # what GET /v1/review/decisions serves
+    page = orjson.loads(orjson.dumps(page))
+    schemas = openapi_document()["components"]["schemas"]
+    _check_schema(page, schemas["ReviewPage"], schemas)
+    served = {item["transaction_id"]: item for item in page["items"]}
+    bare = served[docs[1]["transaction_id"]]["transaction"]
+    assert isinstance(bare["timestamp"], float) and bare["device_id"] is None  # epoch seconds, nulls
+    # The request schema does not describe it (a date-time string, no nulls): the item must not point there.
+    with pytest.raises(AssertionError):
+        _check_schema(bare, schemas["Transaction"], schemas)
+    assert served[docs[0]["transaction_id"]]["reason_features"] == ["amount_usd", "log_amount"]
