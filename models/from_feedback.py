@@ -107,5 +107,5 @@ def train_from_feedback(
     }
     return fit_and_register(
         x_train, y_train, x_test, y_test, data.rows.iloc[cut:].reset_index(drop=True), present, window,
-        registry, cfg, make_current=False,
+        registry, cfg,
     )

@@ -3,7 +3,9 @@
 Protocol (the Handbook's): train on one window, skip a *delay* window (labels
 of recent transactions are not known yet when a model is trained), test on the
 window after it. Defaults: 7 / 7 / 7 days, ending at the end of the data. The
-registered model is the one evaluated, so its metrics describe it.
+registered model is the one evaluated, so its metrics describe it. Training
+registers a version and never serves it: ``fraud-pipeline models promote``
+does that (:mod:`models.lifecycle`), logged.
 
 Why three members, and why these:
 
@@ -128,8 +130,6 @@ def fit_and_register(
     window: dict[str, Any],
     registry: Path,
     cfg: TrainConfig = TrainConfig(),
-    *,
-    make_current: bool = True,
 ) -> TrainResult:
     """Fit the members on the train matrix, evaluate on the test matrix and register.
 
@@ -185,7 +185,6 @@ def fit_and_register(
         metrics=metrics,
         data_window=window,
         extra_files=[*report_files, reference],
-        make_current=make_current,
     )
     return TrainResult(version, saved, metrics)
 
