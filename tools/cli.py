@@ -89,12 +89,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days)
     result = train(df, settings.registry_dir, cfg, progress=not args.quiet)
     print(f"registered {result.version} in {result.folder}")
-    print(format_metrics(result.metrics))
+    print(format_metrics(result.metrics, result.window))
     _serve_or_say(settings.registry_dir, result.version, args.serve_if_none)
     lo, hi = HANDBOOK_XGBOOST["auc"], HANDBOOK_XGBOOST["ap"]
     cp = HANDBOOK_XGBOOST["cp_at_100"]
     print(
-        f"Handbook XGBoost (test week): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
+        f"the Handbook's own XGBoost on its simulator's test week (other data; the baseline above is the "
+        f"comparison on this data): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
     )
     print(f"report: {result.folder / 'report' / 'curves.png'}")
     return 0
@@ -143,7 +144,7 @@ def _train_from_feedback(args: argparse.Namespace) -> int:
         return 2
     print(f"registered {result.version} in {result.folder} (not serving: "
           f"`fraud-pipeline models shadow {result.version}` or `models promote {result.version}`)")  # fmt: skip
-    print(format_metrics(result.metrics))
+    print(format_metrics(result.metrics, result.window))
     return 0
 
 
