@@ -111,6 +111,8 @@ class TrainConfig:
     threads: int = 2
     rounds_scale: float = 1.0
     """Multiplies each member's boosting rounds (tests use fewer)."""
+    train_start: float | None = None
+    """Epoch seconds where the training window starts; None: the test window ends at the end of the data."""
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,21 @@ def train(
     present = [c for c in df.columns if df[c].notna().any()]
     features = available_features(present)
     history = prepare_history(df)
-    end = math.ceil(history["ts"].max() / DAY_S) * DAY_S
-    test_start = end - cfg.test_days * DAY_S
-    train_end = test_start - cfg.delay_days * DAY_S
-    train_start = train_end - cfg.train_days * DAY_S
-    if train_start < history["ts"].min():
+    first, last = float(history["ts"].min()), float(history["ts"].max())
+    days = cfg.train_days + cfg.delay_days + cfg.test_days
+    if cfg.train_start is None:
+        end = math.ceil(last / DAY_S) * DAY_S
+        train_start = end - days * DAY_S
+    else:
+        train_start = cfg.train_start
+        end = train_start + days * DAY_S
+    train_end = train_start + cfg.train_days * DAY_S
+    test_start = train_end + cfg.delay_days * DAY_S
+    if train_start < math.floor(first / DAY_S) * DAY_S or end > math.ceil(last / DAY_S) * DAY_S:
         raise ValueError(
-            f"the data covers {(end - history['ts'].min()) / DAY_S:.0f} days; the protocol needs "
-            f"{cfg.train_days + cfg.delay_days + cfg.test_days} (+30 for full profiles)"
+            f"the data covers {_iso(first)} to {_iso(last)}; train {cfg.train_days} + delay {cfg.delay_days} + "
+            f"test {cfg.test_days} days would need {_iso(train_start)} to {_iso(end)}; pick --train-start inside "
+            f"the data or fewer days (30 more before the start give full profiles)"
         )
     x_train, y_train, _ = training_matrix(history, train_start, train_end, progress)
     x_test, y_test, test_rows = training_matrix(history, test_start, end, progress)

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from app.contract import CURRENCY_TO_USD, Transaction
+from pipeline.datafile import check_currencies, parse_labels, parse_timestamps
 
 __all__ = [
     "DAY_S",
@@ -293,17 +294,22 @@ def prepare_history(df: pd.DataFrame) -> pd.DataFrame:
             "amount": df["amount"].astype(np.float64),
         }
     )
-    ts = pd.to_datetime(df["timestamp"], utc=True)
+    raw = df["timestamp"]
+    if pd.api.types.is_numeric_dtype(raw) and not pd.api.types.is_bool_dtype(raw):
+        # Epoch numbers: the unit from their magnitude (to_datetime would read seconds as nanoseconds).
+        ts, _ = parse_timestamps(raw)
+    else:
+        ts = pd.to_datetime(raw, utc=True)  # date-times; naive ones are UTC here (the simulator writes UTC)
     out["ts"] = ts.astype("int64").to_numpy() / _ns_per_unit(ts)
-    currency = df["currency"].fillna("USD") if "currency" in df else pd.Series("USD", index=df.index)
-    out["currency"] = currency.astype(str)
-    out["amount_usd"] = out["amount"] * out["currency"].map(CURRENCY_TO_USD).fillna(1.0)
+    currency = df["currency"] if "currency" in df else pd.Series("USD", index=df.index)
+    out["currency"] = check_currencies(currency)  # a code without a rate is refused, never converted at 1.0
+    out["amount_usd"] = out["amount"] * out["currency"].map(CURRENCY_TO_USD)
     for col in ("merchant_category", "device_id", "country"):
         out[col] = df[col].astype(object).where(df[col].notna(), None) if col in df else None
     for col in ("lat", "lon"):
         out[col] = df[col].astype(np.float64) if col in df else np.nan
     if "label" in df:
-        out["label"] = df["label"].astype(np.int8)
+        out["label"] = parse_labels(df["label"])
     return out.sort_values("ts", kind="stable").reset_index(drop=True)
 
 

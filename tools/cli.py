@@ -78,16 +78,22 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.from_feedback:
         return _train_from_feedback(args)
-    import pandas as pd
-
     from app.settings import get_settings
     from models.evaluation import HANDBOOK_XGBOOST
     from models.training import TrainConfig, format_metrics, train
+    from pipeline.datafile import read_transactions
 
     settings = get_settings()
-    df = pd.read_parquet(args.data)
-    cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days)
-    result = train(df, settings.registry_dir, cfg, progress=not args.quiet)
+    data = read_transactions(args.data, timezone=args.timezone)
+    for note in data.notes:
+        print(note)
+    cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days,
+                      rounds_scale=args.rounds_scale, train_start=_train_start(args.train_start))  # fmt: skip
+    try:
+        result = train(data.frame, settings.registry_dir, cfg, progress=not args.quiet)
+    except ValueError as exc:  # the data does not cover the windows, or a window holds one class
+        print(f"fraud-pipeline train: {exc}", file=sys.stderr)
+        return 2
     print(f"registered {result.version} in {result.folder}")
     print(format_metrics(result.metrics, result.window))
     _serve_or_say(settings.registry_dir, result.version, args.serve_if_none)
@@ -99,6 +105,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     print(f"report: {result.folder / 'report' / 'curves.png'}")
     return 0
+
+
+def _train_start(value: str | None) -> float | None:
+    """--train-start: an ISO date or date-time; without an offset, UTC (the features' days are UTC days)."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        from pipeline.datafile import DataFileError
+
+        raise DataFileError(f"--train-start {value!r}: not an ISO date; write it as e.g. 2026-11-01") from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
 
 
 def _serve_or_say(registry: Path, version: str, serve_if_none: bool) -> None:
@@ -411,7 +430,13 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(func=cmd_materialize)
 
     p = sub.add_parser("train", help="train, evaluate and register the ensemble")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="transactions, Parquet or CSV: transaction_id, user_id, merchant_id, amount, timestamp "
+                        "(epoch s or ms, or ISO-8601), label (0/1, true/false, fraud/legit); optional currency, "
+                        "merchant_category, device_id, lat, lon, country")
+    p.add_argument("--timezone", help="whose local time naive timestamps are (IANA name, e.g. Europe/Brussels)")
+    p.add_argument("--train-start", help="ISO date the training window starts (UTC unless an offset is given); "
+                                         "default: the test window ends at the end of the data")
     p.add_argument("--train-days", type=int, default=7)
     p.add_argument("--delay-days", type=int, default=7)
     p.add_argument("--test-days", type=int, default=7)
