@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import xgboost as xgb
 
-from models.evaluation import evaluate_scores, handbook_rows, write_report
+from models.evaluation import evaluate_scores, handbook_rows, threshold_table, write_report
 from models.registry import MemberArtifact, new_version_name, save_version
 from pipeline.drift import build_reference, top_features, write_reference
 from pipeline.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
@@ -90,6 +90,7 @@ HANDBOOK_FEATURES: tuple[str, ...] = (
     "merchant_count_30d", "merchant_risk_30d",
 )  # fmt: skip
 BASELINE = "baseline"
+TEST_SCORES = "test_scores.parquet"
 BASELINE_SPEC: dict[str, Any] = {
     "rounds": 100,
     "params": {"max_depth": 6, "eta": 0.3, "seed": 0},  # XGBClassifier's defaults, as in the Handbook
@@ -121,6 +122,7 @@ class TrainResult:
     folder: Path
     metrics: dict[str, Any]
     window: dict[str, Any] = field(default_factory=dict)
+    threshold_table: list[dict[str, float]] = field(default_factory=list)
 
 
 def train(
@@ -224,8 +226,10 @@ def fit_and_register(
         version = new_version_name()
     folder = registry / version
     curves = {name: sc[evaluated] for name, sc in all_scores.items() if name != "ensemble"}
+    table = threshold_table(y_test, ensemble_scores)
     report_files = write_report(folder / "report", y_test[evaluated], ensemble_scores[evaluated], curves, metrics,
-                                window)  # fmt: skip
+                                window, extra={"threshold_table": table})  # fmt: skip
+    report_files.append(_write_test_scores(folder / "report" / TEST_SCORES, test_rows, y_test, evaluated, all_scores))
     # The drift reference: the test window, scored out of sample like live traffic.
     reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
     saved = save_version(
@@ -237,7 +241,25 @@ def fit_and_register(
         data_window=window,
         extra_files=[*report_files, reference],
     )
-    return TrainResult(version, saved, metrics, window)
+    return TrainResult(version, saved, metrics, window, table)
+
+
+def _write_test_scores(
+    path: Path, rows: pd.DataFrame, labels: np.ndarray, evaluated: np.ndarray, scores: dict[str, np.ndarray]
+) -> Path:
+    """Every test row's scores, so the metrics can be recomputed (and other
+    metrics computed) without retraining: ids, time, label, whether the
+    evaluation kept the row, and one score column per model."""
+    frame = pd.DataFrame({
+        "transaction_id": rows["transaction_id"].astype(str).to_numpy() if "transaction_id" in rows else None,
+        "user_id": rows["user_id"].astype(str).to_numpy(),
+        "ts": rows["ts"].to_numpy(dtype=np.float64),
+        "label": labels.astype(np.int8),
+        "evaluated": evaluated,
+        **{name: np.asarray(sc, dtype=np.float64) for name, sc in scores.items()},
+    })  # fmt: skip
+    frame.to_parquet(path, index=False)
+    return path
 
 
 def _fit_baseline(
@@ -267,6 +289,15 @@ def suggest_thresholds(labels: np.ndarray, scores: np.ndarray) -> dict[str, floa
 
 def _iso(ts: float) -> str:
     return str(pd.Timestamp(ts, unit="s", tz="UTC").isoformat())
+
+
+def format_thresholds(table: list[dict[str, float]]) -> str:
+    """The ensemble's threshold table: what flagging ``score >= t`` would have
+    done on every test row (known-compromised customers included, as served)."""
+    lines = ["ensemble thresholds on all test rows:", f"{'threshold':>9} {'precision':>9} {'recall':>7} {'alert rate':>10}"]
+    for row in table:
+        lines.append(f"{row['threshold']:>9.2f} {row['precision']:>9.3f} {row['recall']:>7.3f} {row['alert_rate']:>10.2%}")
+    return "\n".join(lines)
 
 
 def format_metrics(metrics: dict[str, Any], window: dict[str, Any] | None = None) -> str:

@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train_from_feedback(args)
     from app.settings import get_settings
     from models.evaluation import HANDBOOK_XGBOOST
-    from models.training import TrainConfig, format_metrics, train
+    from models.training import TrainConfig, format_metrics, format_thresholds, train
     from pipeline.datafile import read_transactions
 
     settings = get_settings()
@@ -96,6 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     print(f"registered {result.version} in {result.folder}")
     print(format_metrics(result.metrics, result.window))
+    print(format_thresholds(result.threshold_table))
     _serve_or_say(settings.registry_dir, result.version, args.serve_if_none)
     lo, hi = HANDBOOK_XGBOOST["auc"], HANDBOOK_XGBOOST["ap"]
     cp = HANDBOOK_XGBOOST["cp_at_100"]
@@ -103,7 +104,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"the Handbook's own XGBoost on its simulator's test week (other data; the baseline above is the "
         f"comparison on this data): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
     )
-    print(f"report: {result.folder / 'report' / 'curves.png'}")
+    print(f"report: {result.folder / 'report' / 'curves.png'}; every test row's scores: "
+          f"{result.folder / 'report' / 'test_scores.parquet'}")  # fmt: skip
     return 0
 
 

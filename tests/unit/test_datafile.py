@@ -157,7 +157,7 @@ def test_train_on_a_csv_with_epoch_seconds_words_and_a_train_start(
     rc = main(["train", "--data", str(path), "--quiet", "--train-start", start, "--rounds-scale", "0.05"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "timestamps: epoch seconds" in out and "not serving" in out
+    assert "timestamps: epoch seconds" in out and "not serving" in out and "alert rate" in out
     [version] = list_versions(registry)
     manifest = read_manifest(registry, version)
     assert manifest["data_window"]["train"][0] == f"{start}T00:00:00+00:00"

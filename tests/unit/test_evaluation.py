@@ -124,3 +124,31 @@ def test_train_reports_the_handbook_rows_all_rows_and_the_baseline(trained_regis
     assert set(metrics) == {"ensemble", "broad", "shallow", "behaviour", "baseline"}
     assert all(set(m) == {"auc", "ap", "cp_at_100", "all_rows"} for m in metrics.values())
     assert len(window["baseline"]["features"]) == 15 and window["baseline"]["rounds"] == 100
+
+
+def test_the_saved_test_scores_reproduce_the_registered_metrics(trained_registry: Path) -> None:
+    from models.registry import current_version, verify
+
+    version = current_version(trained_registry)
+    manifest = read_manifest(trained_registry, version)
+    verify(trained_registry / version, manifest)  # the scores file is checksummed like the models
+    assert "report/test_scores.parquet" in manifest["sha256"]
+    scores = pd.read_parquet(trained_registry / version / "report" / "test_scores.parquet")
+    assert len(scores) == manifest["data_window"]["test_rows"]
+    assert int(scores["evaluated"].sum()) == manifest["data_window"]["evaluated_rows"]
+    labels, keep = scores["label"].to_numpy(), scores["evaluated"].to_numpy()
+    for name, expected in manifest["metrics"].items():
+        assert evaluate_scores(labels, scores[name].to_numpy(), scores, keep) == expected, name
+
+
+def test_the_threshold_table_is_precision_recall_and_alert_rate_by_hand() -> None:
+    from models.evaluation import threshold_table
+
+    labels = np.array([1, 0, 1, 0, 0, 0, 0, 0, 0, 1])
+    scores = np.array([0.95, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05, 0.01, 0.02])
+    table = threshold_table(labels, scores, thresholds=(0.5, 0.9, 0.99))
+    assert table == [
+        {"threshold": 0.5, "precision": round(2 / 3, 4), "recall": round(2 / 3, 4), "alert_rate": 0.3},
+        {"threshold": 0.9, "precision": 1.0, "recall": round(1 / 3, 4), "alert_rate": 0.1},
+    ] + [table[2]]
+    assert table[2]["alert_rate"] == 0.0 and table[2]["recall"] == 0.0 and np.isnan(table[2]["precision"])
