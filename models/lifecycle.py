@@ -130,6 +130,11 @@ def set_shadow(
                              "(`fraud-pipeline models list` shows them)")  # fmt: skip
         if version == previous:
             raise ModelError(f"{registry}: {version} is already the shadow")
+        served = _current_or_none(registry)
+        zones = {v: read_manifest(registry, v).get("timezone", "UTC") for v in (version, served) if v}
+        if len(set(zones.values())) > 1:  # a shadow scores the served model's feature rows
+            raise ModelError(f"{registry}: {version}'s night/weekend features read {zones[version]} time, the served "
+                             f"{served}'s {zones[served or '']}; a shadow must share the served model's zone")  # fmt: skip
         tmp = registry / f".{SHADOW}.tmp"
         tmp.write_text(version + "\n")
         os.replace(tmp, registry / SHADOW)

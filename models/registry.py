@@ -79,6 +79,7 @@ def save_version(
     metrics: dict[str, Any],
     data_window: dict[str, Any],
     extra_files: Sequence[Path] = (),
+    timezone: str = "UTC",
 ) -> Path:
     """Write a version (registered, not served); ``extra_files`` (already inside
     the version folder) are checksummed too."""
@@ -105,6 +106,7 @@ def save_version(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "feature_set": FEATURE_SET_VERSION,
         "feature_names": list(FEATURE_NAMES),
+        "timezone": timezone,  # night/weekend features read this zone's wall clock
         "members": entries,
         "thresholds": thresholds,
         "metrics": metrics,
@@ -204,7 +206,8 @@ def load_ensemble(
             )
         members.append(Member(entry["name"], booster, float(entry["weight"]), tuple(entry["features"])))
     ensemble = XGBoostEnsemble(
-        manifest["version"], members, threads=threads, thresholds=manifest.get("thresholds")
+        manifest["version"], members, threads=threads, thresholds=manifest.get("thresholds"),
+        timezone=manifest.get("timezone", "UTC"),  # versions from before the field: UTC, as they were trained
     )
     if warm_up:
         ensemble.warm_up()

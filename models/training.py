@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import pandas as pd
@@ -114,6 +115,8 @@ class TrainConfig:
     """Multiplies each member's boosting rounds (tests use fewer)."""
     train_start: float | None = None
     """Epoch seconds where the training window starts; None: the test window ends at the end of the data."""
+    timezone: str = "UTC"
+    """The zone whose wall clock night and weekend are read on; recorded in the manifest, served the same way."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,9 @@ def train(
             f"test {cfg.test_days} days would need {_iso(train_start)} to {_iso(end)}; pick --train-start inside "
             f"the data or fewer days (30 more before the start give full profiles)"
         )
-    x_train, y_train, _ = training_matrix(history, train_start, train_end, progress)
-    x_test, y_test, test_rows = training_matrix(history, test_start, end, progress)
+    tz = None if cfg.timezone == "UTC" else ZoneInfo(cfg.timezone)
+    x_train, y_train, _ = training_matrix(history, train_start, train_end, progress, tz)
+    x_test, y_test, test_rows = training_matrix(history, test_start, end, progress, tz)
     # Labels known before each test day: the training window onwards, up to the delay.
     keep = handbook_rows(history[history["ts"] < end], test_rows, train_start, cfg.delay_days)
     window = {
@@ -171,6 +175,7 @@ def fit_and_register(
     cfg: TrainConfig = TrainConfig(),
     *,
     keep: np.ndarray | None = None,
+    timezone: str | None = None,
 ) -> TrainResult:
     """Fit the members and the baseline on the train matrix, evaluate on the test
     matrix and register.
@@ -180,6 +185,7 @@ def fit_and_register(
     ``test_rows`` needs ``user_id``, ``ts`` and ``label`` (card precision).
     ``keep`` selects the evaluated test rows (the Handbook's, from
     :func:`models.evaluation.handbook_rows`); None evaluates every row.
+    ``timezone``: the zone the matrices' night/weekend were computed on (default ``cfg.timezone``).
     """
     artifacts: list[MemberArtifact] = []
     member_scores: dict[str, np.ndarray] = {}
@@ -240,6 +246,7 @@ def fit_and_register(
         metrics=metrics,
         data_window=window,
         extra_files=[*report_files, reference],
+        timezone=timezone or cfg.timezone,
     )
     return TrainResult(version, saved, metrics, window, table)
 

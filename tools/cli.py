@@ -88,7 +88,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     for note in data.notes:
         print(note)
     cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days,
-                      rounds_scale=args.rounds_scale, train_start=_train_start(args.train_start))  # fmt: skip
+                      rounds_scale=args.rounds_scale, train_start=_train_start(args.train_start),
+                      timezone=args.timezone or "UTC")  # fmt: skip
+    print(f"features: night and weekend on {cfg.timezone} time (recorded in the manifest; workers serving this "
+          "version compute them the same way)")  # fmt: skip
     try:
         result = train(data.frame, settings.registry_dir, cfg, progress=not args.quiet)
     except ValueError as exc:  # the data does not cover the windows, or a window holds one class
@@ -436,7 +439,8 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="transactions, Parquet or CSV: transaction_id, user_id, merchant_id, amount, timestamp "
                         "(epoch s or ms, or ISO-8601), label (0/1, true/false, fraud/legit); optional currency, "
                         "merchant_category, device_id, lat, lon, country")
-    p.add_argument("--timezone", help="whose local time naive timestamps are (IANA name, e.g. Europe/Brussels)")
+    p.add_argument("--timezone", help="IANA zone (e.g. Europe/Brussels): whose local time naive timestamps are, and "
+                                      "the wall clock the model's night/weekend features read (default UTC)")
     p.add_argument("--train-start", help="ISO date the training window starts (UTC unless an offset is given); "
                                          "default: the test window ends at the end of the data")
     p.add_argument("--train-days", type=int, default=7)
