@@ -122,3 +122,33 @@ def test_rules_promote_validates_replaces_and_logs_like_models_promote(
     }  # fmt: skip
     assert json.loads(env["rules"].read_text())["version"] == "r-2"
     assert lifecycle.history(env["registry"])[-1] == entry
+
+
+def _documented_lifecycle_commands() -> list[str]:
+    """`models ...` / `rules ...` command lines in README.md and docs/*.md, the
+    README's `a\\|b V` alternatives spelled out one by one."""
+    found: list[str] = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for line in re.findall(r"^fraud-pipeline ((?:models|rules) [^#\n]*)", text, re.M):
+            found.append(line.strip())
+        for cell in re.findall(r"`(?:fraud-pipeline )?((?:models|rules) [^`]*\\\|[^`]*)`", text):
+            command, _, rest = cell.partition(" ")
+            rest = re.sub(r"\s*\[[^\]]*\]", "", rest)
+            found += [f"{command} {alt.strip()}" for alt in rest.split("\\|")]
+    return found
+
+
+def test_every_documented_lifecycle_command_parses() -> None:
+    import shlex
+
+    from tools.cli import build_parser
+
+    commands = _documented_lifecycle_commands()
+    assert "models shadow off" in commands and "models rollback" in commands
+    for line in commands:
+        argv = [re.sub(r"^(V|VERSION|FILE)$", "x", a) for a in shlex.split(line)]
+        if argv[:2] == ["rules", "backtest"] or argv[:2] == ["rules", "promote"]:
+            argv += [] if len(argv) > 2 else ["rules.json"]
+        args = build_parser().parse_args(argv)  # SystemExit (a test failure) if the CLI rejects it
+        assert args.command in ("models", "rules"), line
