@@ -20,8 +20,9 @@ on the test rows of customers *not already known to be compromised*:
 
 The metrics over *all* test rows (known-compromised customers kept) are
 reported as well, labelled, for comparison only: they are not the Handbook's
-figures and run higher, because a card already known to be compromised is easy
-to flag again.
+figures. A card already known to be compromised is easy to flag again, which
+raises them on the Handbook's scenarios; on other fraud mixes they can be lower
+(docs/model-evaluation.md has both).
 """
 
 from __future__ import annotations
