@@ -72,8 +72,10 @@ $(DATA): | setup
 simulate: setup
 	$(FP) simulate --users 2000 --merchants 4000 --days 45 --out $(DATA)
 
+# Registers a model; serves it only if nothing serves yet (logged). Later models:
+# `fraud-pipeline models promote VERSION`.
 train: setup $(DATA)
-	$(FP) train --data $(DATA)
+	$(FP) train --data $(DATA) --serve-if-none
 
 materialize: setup $(DATA)
 	$(FP) materialize --data $(DATA)

@@ -51,11 +51,14 @@ class ModelError(FraudPipelineError):
 class ModelNotFound(ModelError):
     """The registry holds no such model version."""
 
-    def __init__(self, registry: object, version: str | None) -> None:
-        what = f"version {version!r}" if version else "any model version"
-        super().__init__(
-            f"{registry} holds {what}; train one with `fraud-pipeline train`"
-        )
+    def __init__(self, registry: object, version: str | None, hint: str | None = None) -> None:
+        if hint:
+            message = f"{registry}: {hint}"
+        elif version:
+            message = f"{registry} holds no version {version!r}; `fraud-pipeline models list` shows what it holds"
+        else:
+            message = f"{registry} holds no model version; train one with `fraud-pipeline train`"
+        super().__init__(message)
         self.registry = registry
         self.version = version
 

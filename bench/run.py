@@ -721,7 +721,7 @@ def prepare(svc: Services) -> dict[str, Any]:
     registry = Settings().registry_dir
     registry = registry if registry.is_absolute() else REPO / registry
     if not (registry / "CURRENT").exists():
-        step("train", "--data", str(DATA), "--quiet")
+        step("train", "--data", str(DATA), "--quiet", "--serve-if-none")
     step("materialize", "--data", str(DATA), "--quiet")
     done["model"] = (registry / "CURRENT").read_text().strip()
     return done

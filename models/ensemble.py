@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import tzinfo
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import xgboost as xgb
@@ -44,10 +46,15 @@ class XGBoostEnsemble:
         members: Sequence[Member],
         threads: int = 1,
         thresholds: dict[str, float] | None = None,
+        timezone: str = "UTC",
     ) -> None:
         if not members:
             raise ValueError("an ensemble needs at least one member")
         self.version = version
+        #: The zone whose wall clock the model's night/weekend features were
+        #: trained on; the scorer computes them on it too (None: UTC).
+        self.timezone = timezone
+        self.tz: tzinfo | None = None if timezone == "UTC" else ZoneInfo(timezone)
         self.members = list(members)
         #: Thresholds the evaluation suggested; the rules file has the final say.
         self.thresholds = dict(thresholds or {})

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from app.errors import ModelNotFound
+from models.registry import read_manifest
 from models.training import TrainConfig, TrainResult, _iso, fit_and_register
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 from pipeline.labels import Label
@@ -107,5 +109,13 @@ def train_from_feedback(
     }
     return fit_and_register(
         x_train, y_train, x_test, y_test, data.rows.iloc[cut:].reset_index(drop=True), present, window,
-        registry, cfg, make_current=False,
+        registry, cfg, timezone=_served_timezone(registry),
     )
+
+
+def _served_timezone(registry: Path) -> str:
+    """The served vectors' night/weekend were computed on the serving model's zone."""
+    try:
+        return str(read_manifest(registry).get("timezone", "UTC"))
+    except ModelNotFound:
+        return "UTC"

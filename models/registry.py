@@ -7,7 +7,10 @@ Layout of a version::
                        thresholds, metrics, data window, sha256 of every file
     report/            evaluation.json, curves.png (ROC and precision-recall)
 
-``<registry>/CURRENT`` names the version served when none is asked for.
+``<registry>/CURRENT`` names the version served when none is asked for. Only
+:func:`models.lifecycle.promote` (and rollback) moves it: registering a version
+never serves it, and a registry without ``CURRENT`` serves nothing rather than
+its newest version, so no training run changes what running workers decide.
 Loading verifies every checksum and that the manifest's feature set is the one
 this code computes, before any model file is parsed. Never pickle: unpickling
 runs code and is not stable across versions.
@@ -76,9 +79,10 @@ def save_version(
     metrics: dict[str, Any],
     data_window: dict[str, Any],
     extra_files: Sequence[Path] = (),
-    make_current: bool = True,
+    timezone: str = "UTC",
 ) -> Path:
-    """Write a version; ``extra_files`` (already inside the version folder) are checksummed too."""
+    """Write a version (registered, not served); ``extra_files`` (already inside
+    the version folder) are checksummed too."""
     folder = registry / version
     if (folder / MANIFEST).exists():
         raise FileExistsError(f"{folder} is already registered; versions are immutable")
@@ -102,6 +106,7 @@ def save_version(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "feature_set": FEATURE_SET_VERSION,
         "feature_names": list(FEATURE_NAMES),
+        "timezone": timezone,  # night/weekend features read this zone's wall clock
         "members": entries,
         "thresholds": thresholds,
         "metrics": metrics,
@@ -109,8 +114,6 @@ def save_version(
         "sha256": {str(p.relative_to(folder)): sha256_file(p) for p in files},
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    if make_current:
-        set_current(registry, version)
     return folder
 
 
@@ -129,13 +132,21 @@ def list_versions(registry: Path) -> list[str]:
 
 
 def current_version(registry: Path) -> str:
+    """The served version. Without ``CURRENT`` nothing serves, even if versions
+    are registered: guessing (say, the newest) would serve a model nobody promoted."""
     pointer = registry / CURRENT
     if pointer.is_file():
-        return pointer.read_text().strip()
+        version = pointer.read_text().strip()
+        if version:
+            return version
     versions = list_versions(registry)
     if not versions:
         raise ModelNotFound(registry, None)
-    return versions[-1]
+    raise ModelNotFound(
+        registry, None,
+        hint=f"no version serves yet ({len(versions)} registered); promote one: "
+        f"`fraud-pipeline models promote {versions[-1]}`",
+    )
 
 
 def read_manifest(registry: Path, version: str | None = None) -> dict[str, Any]:
@@ -195,7 +206,8 @@ def load_ensemble(
             )
         members.append(Member(entry["name"], booster, float(entry["weight"]), tuple(entry["features"])))
     ensemble = XGBoostEnsemble(
-        manifest["version"], members, threads=threads, thresholds=manifest.get("thresholds")
+        manifest["version"], members, threads=threads, thresholds=manifest.get("thresholds"),
+        timezone=manifest.get("timezone", "UTC"),  # versions from before the field: UTC, as they were trained
     )
     if warm_up:
         ensemble.warm_up()

@@ -3,7 +3,9 @@
 Protocol (the Handbook's): train on one window, skip a *delay* window (labels
 of recent transactions are not known yet when a model is trained), test on the
 window after it. Defaults: 7 / 7 / 7 days, ending at the end of the data. The
-registered model is the one evaluated, so its metrics describe it.
+registered model is the one evaluated, so its metrics describe it. Training
+registers a version and never serves it: ``fraud-pipeline models promote``
+does that (:mod:`models.lifecycle`), logged.
 
 Why three members, and why these:
 
@@ -21,26 +23,35 @@ its own accuracy (it is the weakest member on the test week, where merchant
 risk is fresh), so it gets the smallest say; the two full-feature members are
 close, the deeper one slightly ahead. The weights are in each member spec and
 recorded in the manifest.
+
+Evaluation follows the Handbook's protocol (:mod:`models.evaluation`): test
+rows of customers already known to be compromised are removed before AUC, AP
+and CP@100; the all-rows figures are kept beside them, labelled. Every run also
+fits the Handbook's plain baseline, XGBoost on its 15 features (100 trees,
+depth 6, XGBoost's default learning rate 0.3), on the same training rows and
+scores it on the same test rows, so the ensemble is always compared with it on
+this data rather than with numbers from another generator.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import pandas as pd
 import xgboost as xgb
 
-from models.evaluation import evaluate_scores, write_report
+from models.evaluation import evaluate_scores, handbook_rows, threshold_table, write_report
 from models.registry import MemberArtifact, new_version_name, save_version
 from pipeline.drift import build_reference, top_features, write_reference
 from pipeline.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
 
-__all__ = ["MEMBER_SPECS", "TrainConfig", "TrainResult", "fit_and_register", "train"]
+__all__ = ["BASELINE", "HANDBOOK_FEATURES", "MEMBER_SPECS", "TrainConfig", "TrainResult", "fit_and_register", "train"]
 
 MERCHANT_FEATURES = frozenset(n for n in FEATURE_NAMES if n.startswith("merchant_"))
 
@@ -68,6 +79,24 @@ MEMBER_SPECS: tuple[dict[str, Any], ...] = (
     },
 )
 
+#: The Handbook's 15 features, as this code computes them: amount, weekend,
+#: night; the customer's count and mean amount over 1/7/30 days; the terminal
+#: (merchant)'s count and fraud rate over 1/7/30 days ending 7 days back. Here the
+#: customer windows end at the start of the transaction's day (the profile a
+#: worker reads), where the Handbook's end at the transaction.
+HANDBOOK_FEATURES: tuple[str, ...] = (
+    "amount_usd", "is_weekend", "is_night",
+    "user_count_1d", "user_mean_1d", "user_count_7d", "user_mean_7d", "user_count_30d", "user_mean_30d",
+    "merchant_count_1d", "merchant_risk_1d", "merchant_count_7d", "merchant_risk_7d",
+    "merchant_count_30d", "merchant_risk_30d",
+)  # fmt: skip
+BASELINE = "baseline"
+TEST_SCORES = "test_scores.parquet"
+BASELINE_SPEC: dict[str, Any] = {
+    "rounds": 100,
+    "params": {"max_depth": 6, "eta": 0.3, "seed": 0},  # XGBClassifier's defaults, as in the Handbook
+}
+
 BASE_PARAMS = {
     "objective": "binary:logistic",
     "eval_metric": "aucpr",
@@ -84,6 +113,10 @@ class TrainConfig:
     threads: int = 2
     rounds_scale: float = 1.0
     """Multiplies each member's boosting rounds (tests use fewer)."""
+    train_start: float | None = None
+    """Epoch seconds where the training window starts; None: the test window ends at the end of the data."""
+    timezone: str = "UTC"
+    """The zone whose wall clock night and weekend are read on; recorded in the manifest, served the same way."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +124,8 @@ class TrainResult:
     version: str
     folder: Path
     metrics: dict[str, Any]
+    window: dict[str, Any] = field(default_factory=dict)
+    threshold_table: list[dict[str, float]] = field(default_factory=list)
 
 
 def train(
@@ -99,23 +134,33 @@ def train(
     present = [c for c in df.columns if df[c].notna().any()]
     features = available_features(present)
     history = prepare_history(df)
-    end = math.ceil(history["ts"].max() / DAY_S) * DAY_S
-    test_start = end - cfg.test_days * DAY_S
-    train_end = test_start - cfg.delay_days * DAY_S
-    train_start = train_end - cfg.train_days * DAY_S
-    if train_start < history["ts"].min():
+    first, last = float(history["ts"].min()), float(history["ts"].max())
+    days = cfg.train_days + cfg.delay_days + cfg.test_days
+    if cfg.train_start is None:
+        end = math.ceil(last / DAY_S) * DAY_S
+        train_start = end - days * DAY_S
+    else:
+        train_start = cfg.train_start
+        end = train_start + days * DAY_S
+    train_end = train_start + cfg.train_days * DAY_S
+    test_start = train_end + cfg.delay_days * DAY_S
+    if train_start < math.floor(first / DAY_S) * DAY_S or end > math.ceil(last / DAY_S) * DAY_S:
         raise ValueError(
-            f"the data covers {(end - history['ts'].min()) / DAY_S:.0f} days; the protocol needs "
-            f"{cfg.train_days + cfg.delay_days + cfg.test_days} (+30 for full profiles)"
+            f"the data covers {_iso(first)} to {_iso(last)}; train {cfg.train_days} + delay {cfg.delay_days} + "
+            f"test {cfg.test_days} days would need {_iso(train_start)} to {_iso(end)}; pick --train-start inside "
+            f"the data or fewer days (30 more before the start give full profiles)"
         )
-    x_train, y_train, _ = training_matrix(history, train_start, train_end, progress)
-    x_test, y_test, test_rows = training_matrix(history, test_start, end, progress)
+    tz = None if cfg.timezone == "UTC" else ZoneInfo(cfg.timezone)
+    x_train, y_train, _ = training_matrix(history, train_start, train_end, progress, tz)
+    x_test, y_test, test_rows = training_matrix(history, test_start, end, progress, tz)
+    # Labels known before each test day: the training window onwards, up to the delay.
+    keep = handbook_rows(history[history["ts"] < end], test_rows, train_start, cfg.delay_days)
     window = {
         "train": [_iso(train_start), _iso(train_end)],
         "delay_days": cfg.delay_days,
         "test": [_iso(test_start), _iso(end)],
     }
-    return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg)
+    return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg, keep=keep)
 
 
 def fit_and_register(
@@ -129,13 +174,18 @@ def fit_and_register(
     registry: Path,
     cfg: TrainConfig = TrainConfig(),
     *,
-    make_current: bool = True,
+    keep: np.ndarray | None = None,
+    timezone: str | None = None,
 ) -> TrainResult:
-    """Fit the members on the train matrix, evaluate on the test matrix and register.
+    """Fit the members and the baseline on the train matrix, evaluate on the test
+    matrix and register.
 
     The one training path: ``train`` (from the simulated history) and
     ``train --from-feedback`` (served vectors joined with labels) both end here.
     ``test_rows`` needs ``user_id``, ``ts`` and ``label`` (card precision).
+    ``keep`` selects the evaluated test rows (the Handbook's, from
+    :func:`models.evaluation.handbook_rows`); None evaluates every row.
+    ``timezone``: the zone the matrices' night/weekend were computed on (default ``cfg.timezone``).
     """
     artifacts: list[MemberArtifact] = []
     member_scores: dict[str, np.ndarray] = {}
@@ -156,25 +206,36 @@ def fit_and_register(
         artifacts.append(MemberArtifact(spec["name"], booster, spec["weight"], names, {**params, "rounds": rounds}))
     weights = np.array([a.weight for a in artifacts]) / sum(a.weight for a in artifacts)
     ensemble_scores = np.sum([w * member_scores[a.name] for w, a in zip(weights, artifacts)], axis=0)
+    baseline_scores = _fit_baseline(x_train, y_train, x_test, features, cfg)
 
-    metrics: dict[str, Any] = {"ensemble": evaluate_scores(y_test, ensemble_scores, test_rows)}
-    for name, scores in member_scores.items():
-        metrics[name] = evaluate_scores(y_test, scores, test_rows)
+    all_scores = {"ensemble": ensemble_scores, **member_scores, BASELINE: baseline_scores}
+    metrics: dict[str, Any] = {name: evaluate_scores(y_test, sc, test_rows, keep) for name, sc in all_scores.items()}
+    # Thresholds for serving: on every test row, since workers score known-compromised cards too.
     thresholds = suggest_thresholds(y_test, ensemble_scores)
+    evaluated = np.ones(len(y_test), dtype=bool) if keep is None else keep
     window = {
         **window,
         "train_rows": int(len(y_train)),
         "train_frauds": int(y_train.sum()),
         "test_rows": int(len(y_test)),
         "test_frauds": int(y_test.sum()),
+        "evaluation": "all test rows" if keep is None else "handbook: known-compromised customers removed",
+        "evaluated_rows": int(evaluated.sum()),
+        "evaluated_frauds": int(y_test[evaluated].sum()),
+        "removed_customers": int(test_rows.loc[~evaluated, "user_id"].nunique()),
         "features": features,
+        "baseline": {"features": [n for n in HANDBOOK_FEATURES if n in features], **BASELINE_SPEC},
     }
     version = new_version_name()
     while (registry / version).exists():  # two trainings in one second
         time.sleep(1.0)
         version = new_version_name()
     folder = registry / version
-    report_files = write_report(folder / "report", y_test, ensemble_scores, member_scores, metrics, window)
+    curves = {name: sc[evaluated] for name, sc in all_scores.items() if name != "ensemble"}
+    table = threshold_table(y_test, ensemble_scores)
+    report_files = write_report(folder / "report", y_test[evaluated], ensemble_scores[evaluated], curves, metrics,
+                                window, extra={"threshold_table": table})  # fmt: skip
+    report_files.append(_write_test_scores(folder / "report" / TEST_SCORES, test_rows, y_test, evaluated, all_scores))
     # The drift reference: the test window, scored out of sample like live traffic.
     reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
     saved = save_version(
@@ -185,9 +246,39 @@ def fit_and_register(
         metrics=metrics,
         data_window=window,
         extra_files=[*report_files, reference],
-        make_current=make_current,
+        timezone=timezone or cfg.timezone,
     )
-    return TrainResult(version, saved, metrics)
+    return TrainResult(version, saved, metrics, window, table)
+
+
+def _write_test_scores(
+    path: Path, rows: pd.DataFrame, labels: np.ndarray, evaluated: np.ndarray, scores: dict[str, np.ndarray]
+) -> Path:
+    """Every test row's scores, so the metrics can be recomputed (and other
+    metrics computed) without retraining: ids, time, label, whether the
+    evaluation kept the row, and one score column per model."""
+    frame = pd.DataFrame({
+        "transaction_id": rows["transaction_id"].astype(str).to_numpy() if "transaction_id" in rows else None,
+        "user_id": rows["user_id"].astype(str).to_numpy(),
+        "ts": rows["ts"].to_numpy(dtype=np.float64),
+        "label": labels.astype(np.int8),
+        "evaluated": evaluated,
+        **{name: np.asarray(sc, dtype=np.float64) for name, sc in scores.items()},
+    })  # fmt: skip
+    frame.to_parquet(path, index=False)
+    return path
+
+
+def _fit_baseline(
+    x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, features: list[str], cfg: TrainConfig
+) -> np.ndarray:
+    """The Handbook's plain XGBoost on its 15 features; scores the test rows. Not registered."""
+    names = [n for n in HANDBOOK_FEATURES if n in features]
+    idx = [FEATURE_NAMES.index(n) for n in names]
+    params = {**BASE_PARAMS, **BASELINE_SPEC["params"], "nthread": cfg.threads}
+    rounds = max(10, int(BASELINE_SPEC["rounds"] * cfg.rounds_scale))
+    booster = xgb.train(params, xgb.DMatrix(x_train[:, idx], label=y_train, missing=np.nan), num_boost_round=rounds)
+    return np.asarray(booster.inplace_predict(x_test[:, idx]))
 
 
 def suggest_thresholds(labels: np.ndarray, scores: np.ndarray) -> dict[str, float]:
@@ -207,8 +298,39 @@ def _iso(ts: float) -> str:
     return str(pd.Timestamp(ts, unit="s", tz="UTC").isoformat())
 
 
-def format_metrics(metrics: dict[str, Any]) -> str:
-    lines = [f"{'model':<10} {'AUC':>7} {'AP':>7} {'CP@100':>7}"]
-    for name, m in metrics.items():
-        lines.append(f"{name:<10} {m['auc']:>7.3f} {m['ap']:>7.3f} {m['cp_at_100']:>7.3f}")
+def format_thresholds(table: list[dict[str, float]]) -> str:
+    """The ensemble's threshold table: what flagging ``score >= t`` would have
+    done on every test row (known-compromised customers included, as served)."""
+    lines = ["ensemble thresholds on all test rows:", f"{'threshold':>9} {'precision':>9} {'recall':>7} {'alert rate':>10}"]
+    for row in table:
+        lines.append(f"{row['threshold']:>9.2f} {row['precision']:>9.3f} {row['recall']:>7.3f} {row['alert_rate']:>10.2%}")
+    return "\n".join(lines)
+
+
+def format_metrics(metrics: dict[str, Any], window: dict[str, Any] | None = None) -> str:
+    """The evaluated rows' table and, when there is one, the all-rows table below it, labelled."""
+    window = window or {}
+    label = {BASELINE: "baseline (Handbook's 15 features, plain XGBoost)"}
+    width = max(len(label.get(n, n)) for n in metrics)
+
+    def table(pick: dict[str, dict[str, Any]]) -> list[str]:
+        rows = [f"{'model':<{width}} {'AUC':>7} {'AP':>7} {'CP@100':>7}"]
+        for name, m in pick.items():
+            rows.append(f"{label.get(name, name):<{width}} {m['auc']:>7.3f} {m['ap']:>7.3f} {m['cp_at_100']:>7.3f}")
+        return rows
+
+    lines = []
+    all_rows = {n: m["all_rows"] for n, m in metrics.items() if isinstance(m.get("all_rows"), dict)}
+    if all_rows:
+        lines.append(
+            f"Handbook protocol: {window.get('evaluated_rows', 0):,} test rows, {window.get('evaluated_frauds', 0):,} "
+            f"frauds ({window.get('removed_customers', 0):,} customers known compromised removed)"
+        )
+    lines += table(metrics)
+    if all_rows:
+        lines.append(
+            f"all test rows, known-compromised customers kept (not the Handbook's figure): "
+            f"{window.get('test_rows', 0):,} rows, {window.get('test_frauds', 0):,} frauds"
+        )
+        lines += table(all_rows)
     return "\n".join(lines)

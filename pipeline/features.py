@@ -24,12 +24,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, tzinfo
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from app.contract import CURRENCY_TO_USD, Transaction
+from pipeline.datafile import check_currencies, parse_labels, parse_timestamps
 
 __all__ = [
     "DAY_S",
@@ -47,6 +49,7 @@ __all__ = [
     "haversine_km",
     "prepare_history",
     "training_matrix",
+    "utc_offset_s",
     "velocity_from_events",
 ]
 
@@ -210,21 +213,33 @@ def velocity_from_events(times: np.ndarray, amounts: np.ndarray, now: float) -> 
     return (*counts, *sums)
 
 
+def utc_offset_s(timestamp: float, tz: tzinfo | None) -> float:
+    """Seconds to add to an epoch time for the wall clock in ``tz`` (None: UTC)."""
+    if tz is None:
+        return 0.0
+    offset = datetime.fromtimestamp(timestamp, UTC).astimezone(tz).utcoffset()
+    return offset.total_seconds() if offset is not None else 0.0
+
+
 def feature_row(
     tx: Transaction,
     profile: UserProfile | None,
     merchant: MerchantRisk | None,
     velocity: Sequence[float],
+    tz: tzinfo | None = None,
 ) -> list[float]:
     """The model's input for one transaction, in :data:`FEATURE_NAMES` order.
 
     A missing profile (a new user) or missing optional field gives NaN where a
     value cannot be known; XGBoost routes NaN down each split's learned default.
+    ``tz``: the zone whose wall clock ``is_night`` and ``is_weekend`` read (the
+    model's, from its manifest; None: UTC). Training and serving pass the same.
     """
     amount = tx.amount * CURRENCY_TO_USD.get(tx.currency, 1.0)
-    seconds_of_day = tx.timestamp % DAY_S
+    local = tx.timestamp + utc_offset_s(tx.timestamp, tz)
+    seconds_of_day = local % DAY_S
     # 1970-01-01 was a Thursday: weekday 3 with Monday = 0.
-    weekday = (int(tx.timestamp // DAY_S) + 3) % 7
+    weekday = (int(local // DAY_S) + 3) % 7
     if profile is None:
         user = [0.0, 0.0, 0.0, NAN, NAN, NAN, NAN]
         ratio = zscore = age = distance = NAN
@@ -293,17 +308,22 @@ def prepare_history(df: pd.DataFrame) -> pd.DataFrame:
             "amount": df["amount"].astype(np.float64),
         }
     )
-    ts = pd.to_datetime(df["timestamp"], utc=True)
+    raw = df["timestamp"]
+    if pd.api.types.is_numeric_dtype(raw) and not pd.api.types.is_bool_dtype(raw):
+        # Epoch numbers: the unit from their magnitude (to_datetime would read seconds as nanoseconds).
+        ts, _ = parse_timestamps(raw)
+    else:
+        ts = pd.to_datetime(raw, utc=True)  # date-times; naive ones are UTC here (the simulator writes UTC)
     out["ts"] = ts.astype("int64").to_numpy() / _ns_per_unit(ts)
-    currency = df["currency"].fillna("USD") if "currency" in df else pd.Series("USD", index=df.index)
-    out["currency"] = currency.astype(str)
-    out["amount_usd"] = out["amount"] * out["currency"].map(CURRENCY_TO_USD).fillna(1.0)
+    currency = df["currency"] if "currency" in df else pd.Series("USD", index=df.index)
+    out["currency"] = check_currencies(currency)  # a code without a rate is refused, never converted at 1.0
+    out["amount_usd"] = out["amount"] * out["currency"].map(CURRENCY_TO_USD)
     for col in ("merchant_category", "device_id", "country"):
         out[col] = df[col].astype(object).where(df[col].notna(), None) if col in df else None
     for col in ("lat", "lon"):
         out[col] = df[col].astype(np.float64) if col in df else np.nan
     if "label" in df:
-        out["label"] = df["label"].astype(np.int8)
+        out["label"] = parse_labels(df["label"])
     return out.sort_values("ts", kind="stable").reset_index(drop=True)
 
 
@@ -411,13 +431,14 @@ def history_transactions(history: pd.DataFrame) -> Iterator[Transaction]:
 
 
 def training_matrix(
-    history: pd.DataFrame, start: float, end: float, progress: bool = False
+    history: pd.DataFrame, start: float, end: float, progress: bool = False, tz: tzinfo | None = None
 ) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
     """Point-in-time features for the transactions with ``start <= ts < end``.
 
     Each day's rows see the profile and merchant risk as of that day's start
     (what ``materialize`` would have written that night) and velocity over the
-    user's own transactions up to and including the row. Returns the matrix in
+    user's own transactions up to and including the row; night and weekend on
+    ``tz``'s wall clock (None: UTC), as the model will be served. Returns the matrix in
     :data:`FEATURE_NAMES` order, the labels and the rows (for evaluation).
     """
     from tqdm import tqdm
@@ -437,7 +458,7 @@ def training_matrix(
             hi = int(np.searchsorted(times, tx.timestamp, side="right"))
             lo = int(np.searchsorted(times, tx.timestamp - DAY_S, side="right"))
             velocity = velocity_from_events(times[lo:hi], amounts[lo:hi], tx.timestamp)
-            features.append(feature_row(tx, profiles.get(tx.user_id), merchants.get(tx.merchant_id), velocity))
+            features.append(feature_row(tx, profiles.get(tx.user_id), merchants.get(tx.merchant_id), velocity, tz))
     labels = rows["label"].to_numpy(dtype=np.int8) if "label" in rows else np.zeros(len(rows), np.int8)
     return feature_matrix(features), labels, rows.reset_index(drop=True)
 

@@ -341,8 +341,11 @@ class Scorer:
             except Exception as exc:
                 evidence.degraded_reason = "feature store unavailable"
                 log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
+        # Night and weekend on the served model's clock (its manifest's zone); a
+        # shadow scores the same rows, so lifecycle refuses a shadow in another zone.
+        tz = getattr(self.model, "tz", None)
         evidence.rows = [
-            feature_row(tx, e.profile, e.merchant, e.velocity) for tx, e in zip(txs, evidence.enrichments or [])
+            feature_row(tx, e.profile, e.merchant, e.velocity, tz) for tx, e in zip(txs, evidence.enrichments or [])
         ]
         return evidence
 

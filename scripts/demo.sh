@@ -30,9 +30,11 @@ $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
 echo "== 2/5 data and model"
 [[ -f $DATA ]] || $BIN/fraud-pipeline simulate --users 2000 --merchants 4000 --days 45 --out $DATA
 if [[ ! -f models/registry/CURRENT ]]; then
-  $BIN/fraud-pipeline train --data $DATA
+  # The first model of a fresh registry is promoted here, visibly: the promotion is
+  # logged in promotions.jsonl; later trainings only register (models promote serves).
+  $BIN/fraud-pipeline train --data $DATA --serve-if-none
 else
-  echo "model $(cat models/registry/CURRENT) already registered (delete models/registry/CURRENT to retrain)"
+  echo "model $(cat models/registry/CURRENT) serves (\`fraud-pipeline models list\`; train registers a new one, \`models promote\` serves it)"
 fi
 
 echo "== 3/5 materialize features into Redis"

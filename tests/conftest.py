@@ -101,11 +101,17 @@ def sim_frame() -> pd.DataFrame:
 
 @pytest.fixture(scope="session")
 def trained_registry(sim_frame: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A registry holding one version trained on :func:`sim_frame` (fewer rounds)."""
+    """A registry serving one version trained on :func:`sim_frame` (fewer rounds).
+
+    Training only registers; the version is promoted as an operator would, so
+    the registry's log holds that one promotion.
+    """
+    from models.lifecycle import promote
     from models.training import TrainConfig, train
 
     registry = tmp_path_factory.mktemp("registry")
-    train(sim_frame, registry, TrainConfig(rounds_scale=0.2), progress=False)
+    result = train(sim_frame, registry, TrainConfig(rounds_scale=0.2), progress=False)
+    promote(registry, result.version, by="tests", reason="first model")
     return registry
 
 

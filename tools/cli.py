@@ -78,25 +78,72 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.from_feedback:
         return _train_from_feedback(args)
-    import pandas as pd
-
     from app.settings import get_settings
     from models.evaluation import HANDBOOK_XGBOOST
-    from models.training import TrainConfig, format_metrics, train
+    from models.training import TrainConfig, format_metrics, format_thresholds, train
+    from pipeline.datafile import read_transactions
 
     settings = get_settings()
-    df = pd.read_parquet(args.data)
-    cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days)
-    result = train(df, settings.registry_dir, cfg, progress=not args.quiet)
+    data = read_transactions(args.data, timezone=args.timezone)
+    for note in data.notes:
+        print(note)
+    cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days,
+                      rounds_scale=args.rounds_scale, train_start=_train_start(args.train_start),
+                      timezone=args.timezone or "UTC")  # fmt: skip
+    print(f"features: night and weekend on {cfg.timezone} time (recorded in the manifest; workers serving this "
+          "version compute them the same way)")  # fmt: skip
+    try:
+        result = train(data.frame, settings.registry_dir, cfg, progress=not args.quiet)
+    except ValueError as exc:  # the data does not cover the windows, or a window holds one class
+        print(f"fraud-pipeline train: {exc}", file=sys.stderr)
+        return 2
     print(f"registered {result.version} in {result.folder}")
-    print(format_metrics(result.metrics))
+    print(format_metrics(result.metrics, result.window))
+    print(format_thresholds(result.threshold_table))
+    _serve_or_say(settings.registry_dir, result.version, args.serve_if_none)
     lo, hi = HANDBOOK_XGBOOST["auc"], HANDBOOK_XGBOOST["ap"]
     cp = HANDBOOK_XGBOOST["cp_at_100"]
     print(
-        f"Handbook XGBoost (test week): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
+        f"the Handbook's own XGBoost on its simulator's test week (other data; the baseline above is the "
+        f"comparison on this data): AUC {lo[0]}-{lo[1]}, AP {hi[0]}-{hi[1]}, CP@100 {cp[0]}-{cp[1]}"
     )
-    print(f"report: {result.folder / 'report' / 'curves.png'}")
+    print(f"report: {result.folder / 'report' / 'curves.png'}; every test row's scores: "
+          f"{result.folder / 'report' / 'test_scores.parquet'}")  # fmt: skip
     return 0
+
+
+def _train_start(value: str | None) -> float | None:
+    """--train-start: an ISO date or date-time; without an offset, UTC (the features' days are UTC days)."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        from pipeline.datafile import DataFileError
+
+        raise DataFileError(f"--train-start {value!r}: not an ISO date; write it as e.g. 2026-11-01") from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def _serve_or_say(registry: Path, version: str, serve_if_none: bool) -> None:
+    """Training never changes what serves; a fresh registry's first model is
+    promoted only when asked (``--serve-if-none``), and logged like any promotion."""
+    from app.errors import ModelNotFound
+    from models import lifecycle
+    from models.registry import current_version
+
+    try:
+        serving: str | None = current_version(registry)
+    except ModelNotFound:
+        serving = None
+    if serving is None and serve_if_none:
+        entry = lifecycle.promote(registry, version, reason="first model in this registry (train --serve-if-none)")
+        print(f"promoted {version}: nothing served before (logged: {json.dumps(entry)})")
+    elif serving is None:
+        print(f"not serving: nothing serves yet; `fraud-pipeline models promote {version}` makes it serve")
+    else:
+        print(f"not serving: {serving} still serves; `fraud-pipeline models shadow {version}` compares them "
+              f"live, `fraud-pipeline models promote {version}` switches")  # fmt: skip
 
 
 def _train_from_feedback(args: argparse.Namespace) -> int:
@@ -121,25 +168,41 @@ def _train_from_feedback(args: argparse.Namespace) -> int:
         return 2
     print(f"registered {result.version} in {result.folder} (not serving: "
           f"`fraud-pipeline models shadow {result.version}` or `models promote {result.version}`)")  # fmt: skip
-    print(format_metrics(result.metrics))
+    print(format_metrics(result.metrics, result.window))
     return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from app.errors import ModelNotFound
     from app.settings import get_settings
     from models import lifecycle
     from models.registry import current_version, list_versions, read_manifest
 
     registry = get_settings().registry_dir
+    if args.action in ("promote", "shadow") and not args.version:
+        what = "VERSION" if args.action == "promote" else "VERSION|off"
+        print(f"fraud-pipeline models {args.action}: give the version: `fraud-pipeline models {args.action} {what}` "
+              "(`fraud-pipeline models list` shows them)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.action == "promote":
         entry = lifecycle.promote(registry, args.version, by=args.by, reason=args.reason)
     elif args.action == "rollback":
         entry = lifecycle.rollback(registry, by=args.by, reason=args.reason)
     elif args.action == "shadow":
-        entry = lifecycle.set_shadow(registry, None if args.version in (None, "off") else args.version, by=args.by)
+        version = None if args.version == "off" else args.version
+        entry = lifecycle.set_shadow(registry, version, by=args.by, reason=args.reason)
     else:
-        current, shadow = current_version(registry), lifecycle.shadow_version(registry)
-        for version in list_versions(registry):
+        versions = list_versions(registry)
+        if not versions:
+            print(f"{registry} holds no model version; `fraud-pipeline train` registers one")
+            return 0
+        try:
+            current: str | None = current_version(registry)
+        except ModelNotFound:
+            current = None
+            print(f"no version serves yet; `fraud-pipeline models promote {versions[-1]}` makes it serve")
+        shadow = lifecycle.shadow_version(registry)
+        for version in versions:
             manifest = read_manifest(registry, version)
             ens = manifest.get("metrics", {}).get("ensemble", {})
             role = "serving" if version == current else "shadow" if version == shadow else ""
@@ -162,7 +225,8 @@ def cmd_rules(args: argparse.Namespace) -> int:
     if args.action == "promote":
         from models.lifecycle import promote_rules
 
-        print(json.dumps(promote_rules(settings.registry_dir, args.rules_file, settings.rules_path, by=args.by)))
+        entry = promote_rules(settings.registry_dir, args.rules_file, settings.rules_path, by=args.by, reason=args.reason)
+        print(json.dumps(entry))
         return 0
     from tools.replay import latest_labels, read_feedback, read_labels
 
@@ -372,7 +436,14 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(func=cmd_materialize)
 
     p = sub.add_parser("train", help="train, evaluate and register the ensemble")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="transactions, Parquet or CSV: transaction_id, user_id, merchant_id, amount, timestamp "
+                        "(epoch s or ms, or ISO-8601), label (0/1, true/false, fraud/legit); optional currency, "
+                        "merchant_category, device_id, lat, lon, country")
+    p.add_argument("--timezone", help="IANA zone (e.g. Europe/Brussels): whose local time naive timestamps are, and "
+                                      "the wall clock the model's night/weekend features read (default UTC)")
+    p.add_argument("--train-start", help="ISO date the training window starts (UTC unless an offset is given); "
+                                         "default: the test window ends at the end of the data")
     p.add_argument("--train-days", type=int, default=7)
     p.add_argument("--delay-days", type=int, default=7)
     p.add_argument("--test-days", type=int, default=7)
@@ -382,14 +453,19 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--test-share", type=float, default=0.25, help="--from-feedback: newest share held out for evaluation")
     p.add_argument("--min-rows", type=int, default=200, help="--from-feedback: refuse to train on fewer labelled rows")
     p.add_argument("--rounds-scale", type=float, default=1.0, help="multiply each member's boosting rounds")
+    p.add_argument("--serve-if-none", action="store_true",
+                   help="if no version serves yet (a fresh registry), promote this one (logged); "
+                        "otherwise training never changes what serves")
     p.set_defaults(func=cmd_train)
 
 
 def _add_lifecycle_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """models, rules, report: what serves, and how well it decides."""
-    p = sub.add_parser("models", help="list, promote, roll back or shadow model versions")
+    p = sub.add_parser("models", help="list, promote, roll back or shadow model versions",
+                       description="models list | models promote VERSION | models rollback | "
+                                   "models shadow VERSION | models shadow off")  # fmt: skip
     p.add_argument("action", choices=["list", "promote", "rollback", "shadow"])
-    p.add_argument("version", nargs="?", help="promote/shadow: the version (shadow off: stop the shadow)")
+    p.add_argument("version", nargs="?", help="promote/shadow: the version; `shadow off` stops the shadow")
     p.add_argument("--by", help="who (default $USER)")
     p.add_argument("--reason", help="recorded with the change")
     p.add_argument("--last", type=int, default=10, help="list: history lines to show")
@@ -400,6 +476,7 @@ def _add_lifecycle_commands(sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("rules_file", type=Path)
     p.add_argument("--since", help="backtest: decisions at or after this ISO time (UTC if no offset)")
     p.add_argument("--by", help="promote: who (default $USER)")
+    p.add_argument("--reason", help="promote: recorded with the change")
     p.add_argument("--json", action="store_true", help="backtest: machine-readable summary")
     p.set_defaults(func=cmd_rules)
 

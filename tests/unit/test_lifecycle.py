@@ -39,6 +39,15 @@ def world(sim_frame: pd.DataFrame) -> World:
     return World(sim_frame)
 
 
+#: Every line of promotions.jsonl carries these, whatever the action.
+LINE_FIELDS = ["at", "action", "kind", "version", "previous", "by", "reason"]
+
+
+def _without_at(entry: dict[str, Any]) -> dict[str, Any]:
+    assert list(entry)[: len(LINE_FIELDS)] == LINE_FIELDS and entry["at"].endswith("Z")
+    return {k: v for k, v in entry.items() if k != "at"}
+
+
 def test_promote_and_rollback_are_recorded_with_who_and_when(trained_registry: Path, tmp_path: Path) -> None:
     registry, first, second = two_versions(trained_registry, tmp_path)
     entry = lifecycle.promote(registry, second, by="alice", reason="better AP on feedback")
@@ -48,9 +57,52 @@ def test_promote_and_rollback_are_recorded_with_who_and_when(trained_registry: P
     back = lifecycle.rollback(registry, by="bob")
     assert current_version(registry) == first
     assert (back["action"], back["version"], back["replaced"], back["by"]) == ("rollback", first, second, "bob")
-    assert [e["action"] for e in lifecycle.history(registry)] == ["promote", "rollback"]
+    assert [e["action"] for e in lifecycle.history(registry)] == ["promote", "promote", "rollback"]
     with pytest.raises(ModelError, match="nothing to roll back to"):
-        lifecycle.rollback(registry)  # `first` was never promoted through the log
+        lifecycle.rollback(registry)  # `first` was the registry's first model: it replaced nothing
+
+
+def test_training_never_serves_and_only_promotion_changes_what_does(sim_frame: pd.DataFrame, tmp_path: Path) -> None:
+    """train -> train -> shadow V2 -> promote V2 -> rollback: V1 serves again, every step logged in full."""
+    from models.training import TrainConfig, train
+
+    registry = tmp_path / "registry"
+    cfg = TrainConfig(rounds_scale=0.05)
+    v1 = train(sim_frame, registry, cfg, progress=False).version
+    with pytest.raises(ModelNotFound, match=f"no version serves yet.*models promote {v1}"):
+        current_version(registry)  # registered, not served: not even as the only version
+    first = lifecycle.promote(registry, v1, by="ops", reason="first model")
+    v2 = train(sim_frame, registry, cfg, progress=False).version
+    assert v2 != v1 and current_version(registry) == v1  # the second training changed nothing served
+    with pytest.raises(ModelError, match="is the served version"):
+        lifecycle.set_shadow(registry, v1, by="ops")
+    with pytest.raises(ModelError, match="already serves"):
+        lifecycle.promote(registry, v1, by="ops")
+    shadow = lifecycle.set_shadow(registry, v2, by="ops", reason="compare on live traffic")
+    assert lifecycle.shadow_version(registry) == v2
+    promoted = lifecycle.promote(registry, v2, by="ops", reason="better AP in shadow")
+    assert current_version(registry) == v2 and lifecycle.shadow_version(registry) is None
+    back = lifecycle.rollback(registry, by="oncall", reason="alert rate doubled")
+    assert current_version(registry) == v1
+    assert [_without_at(e) for e in (first, shadow, promoted, back)] == [
+        {"action": "promote", "kind": "model", "version": v1, "previous": None, "by": "ops", "reason": "first model"},
+        {"action": "shadow", "kind": "model", "version": v2, "previous": None, "by": "ops",
+         "reason": "compare on live traffic"},
+        {"action": "promote", "kind": "model", "version": v2, "previous": v1, "by": "ops",
+         "reason": "better AP in shadow"},
+        {"action": "rollback", "kind": "model", "version": v1, "previous": None, "by": "oncall",
+         "reason": "alert rate doubled", "replaced": v2},
+    ]  # fmt: skip
+    assert lifecycle.history(registry) == [first, shadow, promoted, back]  # what was returned is what was logged
+    with pytest.raises(ModelError, match="nothing to roll back to"):
+        lifecycle.rollback(registry)
+    off = lifecycle.set_shadow(registry, v2, by="ops")
+    stop = lifecycle.set_shadow(registry, None, by="ops", reason="done")
+    assert _without_at(stop) == {"action": "shadow", "kind": "model", "version": None, "previous": v2, "by": "ops",
+                                 "reason": "done"}  # fmt: skip
+    assert off["reason"] is None and lifecycle.shadow_version(registry) is None
+    with pytest.raises(ModelError, match="nothing to stop"):
+        lifecycle.set_shadow(registry, None)
 
 
 def test_a_missing_or_tampered_version_is_not_promoted(trained_registry: Path, tmp_path: Path) -> None:
@@ -60,7 +112,8 @@ def test_a_missing_or_tampered_version_is_not_promoted(trained_registry: Path, t
     (registry / second / "member_broad.ubj").write_bytes(b"junk")
     with pytest.raises(Exception, match="sha256"):
         lifecycle.promote(registry, second)
-    assert current_version(registry) == first and lifecycle.history(registry) == []
+    assert current_version(registry) == first
+    assert [e["version"] for e in lifecycle.history(registry)] == [first]  # the fixture's promotion only
 
 
 def test_the_shadow_pointer_is_set_cleared_and_dropped_on_promotion(trained_registry: Path, tmp_path: Path) -> None:
@@ -81,9 +134,11 @@ def test_rules_promotion_validates_first(tmp_path: Path) -> None:
     assert load_rules(served).version == "r-1"
     good = tmp_path / "good.json"
     good.write_text(json.dumps({**_rules_doc(), "version": "r-2"}))
-    entry = lifecycle.promote_rules(tmp_path, good, served, by="dan")
-    assert (entry["kind"], entry["version"], entry["previous"]) == ("rules", "r-2", "r-1")
+    entry = lifecycle.promote_rules(tmp_path, good, served, by="dan", reason="fewer false declines")
+    assert _without_at(entry) == {"action": "promote", "kind": "rules", "version": "r-2", "previous": "r-1",
+                                  "by": "dan", "reason": "fewer false declines", "file": str(served)}  # fmt: skip
     assert load_rules(served).version == "r-2"
+    assert lifecycle.history(tmp_path) == [entry]  # one line, for the accepted file only
 
 
 def _rules_doc() -> dict[str, Any]:

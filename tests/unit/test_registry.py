@@ -98,4 +98,4 @@ def test_training_without_optional_columns_uses_the_features_it_can_compute(
     result = train(bare, tmp_path, TrainConfig(rounds_scale=0.05), progress=False)
     features = read_manifest(tmp_path, result.version)["members"][0]["features"]
     assert "new_device" not in features and "distance_from_home_km" not in features
-    assert load_ensemble(tmp_path).predict(np.zeros((2, len(FEATURE_NAMES)), np.float32)).scores.shape == (2,)
+    assert load_ensemble(tmp_path, result.version).predict(np.zeros((2, len(FEATURE_NAMES)), np.float32)).scores.shape == (2,)
