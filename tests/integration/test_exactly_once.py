@@ -34,7 +34,6 @@ async def _committed_view(bootstrap: str, group: str, source: str, out: str) -> 
     )  # fmt: skip
     await consumer.start()
     try:
-        offsets = {p: await consumer.committed(TopicPartition(source, p)) for p in range(2)}
         parts = [TopicPartition(out, p) for p in range(2)]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
@@ -42,6 +41,11 @@ async def _committed_view(bootstrap: str, group: str, source: str, out: str) -> 
         for _ in range(10):
             batches = await consumer.getmany(timeout_ms=300)
             values += [r.value for records in batches.values() for r in records]
+        # Offsets read after the records: a transaction's offsets become the
+        # group's only once the coordinator has written its markers, a moment
+        # after commit returns, and aiokafka's OffsetFetch does not ask for
+        # stable offsets (it may answer the older value meanwhile).
+        offsets = {p: await consumer.committed(TopicPartition(source, p)) for p in range(2)}
         return sorted(values), offsets
     finally:
         await consumer.stop()
