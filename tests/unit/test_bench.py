@@ -16,6 +16,7 @@ from bench.run import (
     bracket,
     cpu_pct_between,
     format_report,
+    needs_repeat,
     next_probe,
     parse_stat_cpu_s,
     parse_status_rss_mb,
@@ -26,6 +27,7 @@ from bench.run import (
     sustainable,
     threshold_key,
     validate_results,
+    verdicts,
 )
 from tools.loadgen import percentiles
 
@@ -249,8 +251,8 @@ def test_sustainable_and_ratios() -> None:
     ]  # fmt: skip
     doc = results_doc(runs)
     ms = doc["max_sustainable"]
-    assert ms["ceiling"][threshold_key(200)] | {"probes": None} == {
-        "tps": 5000.0, "bracket": [5000.0, None], "lower_bound": True, "probes": None,
+    assert ms["ceiling"][threshold_key(200)] | {"probes": None, "repeated": None} == {
+        "tps": 5000.0, "bracket": [5000.0, None], "lower_bound": True, "probes": None, "repeated": None,
     }  # fmt: skip
     assert ms["ceiling"][threshold_key(50)]["tps"] == 2500.0
     assert ms["unbatched"][threshold_key(200)]["bracket"] == [1000.0, 2500.0]
@@ -342,3 +344,31 @@ def test_memory_per_minute_says_which_process_slowed() -> None:
     assert [r["minute"] for r in rows] == [1.0, 2.0, 3.0]
     assert all(r["decided_per_s"] == 100.0 and r["worker_cpu_ms_per_decision"] == 0.5 for r in rows)
     assert [r["broker_cpu_ms_per_decision"] for r in rows] == pytest.approx([2.0, 2.0, 4.0], abs=0.05)
+
+
+def _probe(rate: float, p99: float, achieved: float | None = None) -> dict[str, Any]:
+    return {
+        "offered_tps": rate, "achieved_tps": rate if achieved is None else achieved, "p99_ms": p99,
+        "lost": 0, "degraded": 0, "decided": 1000, "generator_lag_p99_ms": 1.0,
+    }  # fmt: skip
+
+
+def test_one_spike_at_a_low_rate_does_not_decide_the_search() -> None:
+    """The failure mode that once reported 50 TPS for a pipeline sustaining 750:
+    a single 223 ms p99 at 100 TPS. Repeated on a fresh worker it passed; the
+    search then believes the higher passes."""
+    spike, repeat = _probe(100.0, 223.0), _probe(100.0, 80.0)
+    runs = [spike, _probe(195.0, 120.0), _probe(290.0, 150.0)]
+    assert needs_repeat(spike, runs, 200.0)
+    runs.append(repeat)
+    assert not needs_repeat(repeat, runs, 200.0)  # once is enough
+    assert verdicts(runs, 200.0) == {100.0: True, 195.0: True, 290.0: True}
+    assert sustainable(runs, 200.0)["tps"] == 290.0
+    assert sustainable(runs, 200.0)["repeated"] == [100.0]
+
+
+def test_a_failure_that_reproduces_or_saturates_stands() -> None:
+    runs = [_probe(100.0, 223.0), _probe(100.0, 240.0), _probe(50.0, 90.0)]
+    assert sustainable(runs, 200.0)["tps"] == 50.0
+    overrun = _probe(1000.0, 900.0, achieved=600.0)  # saturated: no repeat, it cannot pass
+    assert not needs_repeat(overrun, [overrun], 200.0)
