@@ -286,7 +286,33 @@ def run_record(
             stage: {"p50": p["p50"], "p99": p["p99"]} for stage, p in summary.get("stages_ms", {}).items()
         },
         "lag": [[e["t"], e["in_flight"]] for e in timeline],
-    }
+    } | {"cpu_ms_per_decision": _cpu_ms_per_decision(timeline, summary["achieved_rate"], other_pids)}
+
+
+def _cpu_ms_per_decision(
+    timeline: Sequence[Mapping[str, Any]], achieved_tps: float | None, other_pids: Sequence[str]
+) -> dict[str, float | None]:
+    """Process CPU milliseconds per decision over the measured window, for the
+    worker and each sampled service (broker, Redis): what a decision costs."""
+    def per(key: str) -> float | None:
+        pct = cpu_pct_between(timeline, key)
+        if pct is None or not achieved_tps:
+            return None
+        return round(pct / 100.0 * 1000.0 / achieved_tps, 3)
+
+    return {"worker": per("cpu_s")} | {name: per(f"{name}_cpu_s") for name in other_pids}
+
+
+def cpu_per_decision_by_variant(runs: Sequence[Mapping[str, Any]], threshold_ms: float = 200.0) -> dict[str, Any]:
+    """Per variant, the CPU per decision of its lowest passing offered rate
+    (below saturation, so fixed costs are shared as in normal operation) with
+    the rate it was measured at."""
+    out: dict[str, Any] = {}
+    for run in sorted(runs, key=lambda r: r["offered_tps"]):
+        if run["variant"] in out or not passes(run, threshold_ms) or not run.get("cpu_ms_per_decision"):
+            continue
+        out[run["variant"]] = {"offered_tps": run["offered_tps"], **run["cpu_ms_per_decision"]}
+    return out
 
 
 def passes(run: Mapping[str, Any], threshold_ms: float) -> bool:
@@ -980,6 +1006,14 @@ def format_report(doc: Mapping[str, Any]) -> str:
                 text = f"{lo:,.0f} (fails {hi:,.0f})"
             cells.append(f"{text:>22}")
         lines.append(f"{variant:<20}" + "".join(cells))
+    cpu = doc.get("cpu_ms_per_decision") or {}
+    if cpu:
+        lines.append("")
+        lines.append("CPU ms per decision (lowest passing rate): " + "; ".join(
+            f"{variant} @ {c['offered_tps']:,.0f} TPS: "
+            + ", ".join(f"{k} {v}" for k, v in c.items() if k != "offered_tps" and v is not None)
+            for variant, c in cpu.items()
+        ))
     r = doc["ratios"]
     lines.append(
         f"ratios at p99 < {r['threshold_ms']:g} ms: batched/unbatched {r['batched_over_unbatched']}, "
@@ -1062,6 +1096,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ratios": ratios(bench.max_sustainable, 200.0),
         "ratios_p99_under_50ms": ratios(bench.max_sustainable, 50.0),
         "throughput_ratios": throughput_ratios(bench.runs),
+        "cpu_ms_per_decision": cpu_per_decision_by_variant(bench.runs),
         "truncated": bench.truncated,
         "errors": bench.errors,
         "logs": str(workdir.relative_to(REPO)),  # relative: results are committed

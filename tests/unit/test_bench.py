@@ -15,6 +15,7 @@ from bench.run import (
     UNBATCHED,
     bracket,
     cpu_pct_between,
+    cpu_per_decision_by_variant,
     format_report,
     needs_repeat,
     next_probe,
@@ -372,3 +373,15 @@ def test_a_failure_that_reproduces_or_saturates_stands() -> None:
     assert sustainable(runs, 200.0)["tps"] == 50.0
     overrun = _probe(1000.0, 900.0, achieved=600.0)  # saturated: no repeat, it cannot pass
     assert not needs_repeat(overrun, [overrun], 200.0)
+
+
+def test_cpu_per_decision_is_taken_at_the_lowest_passing_rate() -> None:
+    runs = [
+        {**_probe(500.0, 300.0), "variant": "batched", "cpu_ms_per_decision": {"worker": 9.0}},  # fails
+        {**_probe(250.0, 90.0), "variant": "batched", "cpu_ms_per_decision": {"worker": 1.2, "broker": 0.5}},
+        {**_probe(1000.0, 40.0), "variant": "ceiling", "cpu_ms_per_decision": {"worker": 0.3}},
+    ]
+    assert cpu_per_decision_by_variant(runs) == {
+        "batched": {"offered_tps": 250.0, "worker": 1.2, "broker": 0.5},
+        "ceiling": {"offered_tps": 1000.0, "worker": 0.3},
+    }
