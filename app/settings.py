@@ -79,6 +79,21 @@ class Settings(BaseSettings):
     """Accept messages without signature headers. For development only; a
     message that carries any signature header is still verified."""
 
+    # --- decision signatures (pipeline/decision_signing.py, SECURITY.md) -----
+    decision_signing_key_file: Path | None = None
+    """The worker's Ed25519 private key (PEM PKCS#8, or a raw 32-byte seed in hex or
+    base64): every decision it produces is signed with it. Without one (nor
+    ``decision_signing_key``) a worker refuses to start, unless ``allow_unsigned``
+    (development), when it signs with a throwaway key nobody can verify."""
+
+    decision_signing_key: SecretStr | None = None
+    """The same key, from the environment (``FRAUD_DECISION_SIGNING_KEY``)."""
+
+    decision_public_keys_file: Path | None = None
+    """JSON ``{"keys": [{"key_id": "...", "public_key": "<base64>"}]}``: the public keys
+    whose decisions the gateway and the load generator accept (two during a rotation).
+    The gateway refuses to start without it unless ``allow_unsigned``."""
+
     auth_window_s: float = 300.0
     """A signature older or newer than this is refused as stale (clock skew + retries)."""
 
