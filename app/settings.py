@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     whose decisions the gateway and the load generator accept (two during a rotation).
     The gateway refuses to start without it unless ``allow_unsigned``."""
 
+    decision_public_keys: str | None = None
+    """``<base64 public key>,<base64 public key>``: more accepted keys, from the environment
+    (``FRAUD_DECISION_PUBLIC_KEYS``; a container without the file)."""
+
     auth_window_s: float = 300.0
     """A signature older or newer than this is refused as stale (clock skew + retries)."""
 

@@ -246,10 +246,15 @@ def signer_from_settings(settings: Settings) -> DecisionSigner | None:
 
 
 def verifier_from_settings(settings: Settings) -> DecisionVerifier:
-    """The published keys of ``decision_public_keys_file`` (empty when it is not set)."""
-    if settings.decision_public_keys_file is None:
-        return DecisionVerifier()
-    return DecisionVerifier.from_file(settings.decision_public_keys_file)
+    """The keys of ``decision_public_keys_file`` and ``decision_public_keys`` (empty when neither is set)."""
+    keys = list(DecisionVerifier.from_file(settings.decision_public_keys_file).values()) if (
+        settings.decision_public_keys_file is not None) else []  # fmt: skip
+    for i, text in enumerate(filter(None, (t.strip() for t in (settings.decision_public_keys or "").split(","))), 1):
+        raw = _decode(text, f"FRAUD_DECISION_PUBLIC_KEYS, key {i}", "public key")
+        if len(raw) != 32:
+            raise ConfigError(f"FRAUD_DECISION_PUBLIC_KEYS, key {i}: a raw Ed25519 public key is 32 bytes, got {len(raw)}")
+        keys.append(Ed25519PublicKey.from_public_bytes(raw))
+    return DecisionVerifier(keys)
 
 
 # --- files (written by `fraud-pipeline decision-key`) -------------------------------------------

@@ -168,3 +168,57 @@ def test_signing_cost_per_batch_of_32() -> None:
             verifier.verify(v, dict(h))
     verify_ms = (time.perf_counter() - started) * 1000 / rounds
     print(f"\nEd25519 per batch of 32 decisions: sign {sign_ms:.3f} ms, verify {verify_ms:.3f} ms")
+
+
+def test_decision_key_command_creates_rotates_and_retires(tmp_path: Path) -> None:
+    from tools.cli import main
+
+    old_key, new_key, public = tmp_path / "key-1.pem", tmp_path / "key-2.pem", tmp_path / "public.json"
+    assert main(["decision-key", "--key", str(old_key), "--public", str(public)]) == 0
+    old = DecisionSigner.from_file(old_key)
+    assert main(["decision-key", "--key", str(old_key), "--public", str(public)]) == 0  # kept
+    assert DecisionSigner.from_file(old_key).key_id == old.key_id
+    # Rotation: a second key next to the first; both verify until the old one is retired.
+    assert main(["decision-key", "--key", str(new_key), "--public", str(public)]) == 0
+    new = DecisionSigner.from_file(new_key)
+    both = DecisionVerifier.from_file(public)
+    assert both.verify(VALUE, headers(old)) == old.key_id and both.verify(VALUE, headers(new)) == new.key_id
+    assert main(["decision-key", "--key", str(old_key), "--public", str(public), "--retire", old.key_id]) == 1
+    assert main(["decision-key", "--key", str(new_key), "--public", str(public), "--retire", old.key_id]) == 0
+    after = DecisionVerifier.from_file(public)
+    assert isinstance(after.verify(VALUE, headers(old)), Unverified) and after.verify(VALUE, headers(new)) == new.key_id
+    assert main(["decision-key", "--key", str(new_key), "--public", str(public), "--rotate"]) == 0  # in place
+    assert DecisionSigner.from_file(new_key).key_id != new.key_id
+
+
+def test_public_keys_from_the_environment() -> None:
+    from pipeline.decision_signing import public_key_text
+
+    a, b = DecisionSigner.generate(), DecisionSigner.generate()
+    settings = Settings(decision_public_keys=f"{public_key_text(a.public_key)}, {public_key_text(b.public_key)}")
+    assert set(verifier_from_settings(settings)) == {a.key_id, b.key_id}
+    with pytest.raises(ConfigError, match="32 bytes"):
+        verifier_from_settings(Settings(decision_public_keys="AAAA"))
+
+
+def test_the_consumer_snippet_in_security_md_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SECURITY.md's Python consumer example, run as written."""
+    from dataclasses import dataclass
+
+    source = (Path(__file__).parents[2] / "SECURITY.md").read_text().split("```python\n")[1].split("```")[0]
+    signer = DecisionSigner.generate()
+    write_public_keys(DecisionVerifier([signer.public_key]), tmp_path / "config" / "decision-public-keys.json")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(source, namespace)
+    verified = namespace["verified"]
+
+    @dataclass
+    class Record:
+        value: bytes
+        headers: list[tuple[str, bytes]]
+
+    assert verified(Record(VALUE, signer.headers(VALUE)))["action"] == "approve"  # type: ignore[operator]
+    for forged in (Record(VALUE, []), Record(VALUE + b" ", signer.headers(VALUE)),
+                   Record(VALUE, DecisionSigner.generate().headers(VALUE))):  # fmt: skip
+        assert verified(forged) is None  # type: ignore[operator]
