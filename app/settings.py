@@ -54,6 +54,13 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     """Treat ``redis_url`` as one node of a Redis Cluster (app/redis_client.py)."""
 
+    redis_username: str | None = None
+    """The Redis ACL user this process connects as (SECURITY.md, *Redis users*); unset: ``default``."""
+
+    redis_password: SecretStr | None = None
+    redis_password_file: Path | None = None
+    """The ACL user's password, from the environment or a file (one line); set one of the two."""
+
     redis_pool_size: int = 8
     """Connections in the worker's Redis pool (one pipeline per batch needs few)."""
 
