@@ -102,3 +102,32 @@ def test_the_gateway_user_has_its_buckets_and_no_decisions(secure_redis: tuple[s
 
     (decision,) = asyncio.run(limit())
     assert decision.allowed
+
+
+def test_the_worker_user_runs_the_scoring_path(secure_redis: tuple[str, Path]) -> None:
+    """Enrichment (one script: reads the profile, appends velocity), the decision
+    cache and the replay guard, as the worker calls them, under the worker user."""
+    from app.contract import Transaction
+    from pipeline.auth import RedisReplayGuard
+    from pipeline.cache import RedisDecisionCache
+    from pipeline.feature_store import RedisFeatureStore
+
+    url, workdir = secure_redis
+    settings = Settings(redis_url="redis://" + url.split("@", 1)[1], redis_username="worker",
+                        redis_password_file=stack.redis_password_path(workdir, "worker"))  # fmt: skip
+
+    async def run() -> tuple[Any, Any, list[bool]]:
+        client = redis_client.async_client(settings, timeout_s=5.0)
+        try:
+            tx = Transaction("t-acl", "u-acl", 10.0, "m-acl", 1_800_000_000.0)
+            (enriched,) = await RedisFeatureStore(client).enrich([tx])
+            cache = RedisDecisionCache(client, 60)
+            await cache.put_many([(tx, {"action": "approve"})])
+            fresh = await RedisReplayGuard(client).check([("sig-acl", "0:1")], 60)
+            return enriched, await cache.get_many([tx]), fresh
+        finally:
+            await client.aclose()
+
+    enriched, cached, fresh = asyncio.run(run())
+    assert cached == [{"action": "approve"}] and fresh == [True]
+    assert redis.Redis.from_url(url).exists(velocity_key("u-acl"))
