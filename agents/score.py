@@ -30,6 +30,7 @@ from agents.tally import install_merchant_tally
 from app import redis_client
 from app.commits import TransactionCommits
 from app.contract import Transaction
+from app.errors import ConfigError
 from app.faust_app import RAW, base_app
 from app.seams import untrack_read_offsets
 from app.settings import Settings
@@ -39,6 +40,7 @@ from models.registry import load_ensemble
 from pipeline.admission import Admission
 from pipeline.auth import ClientKeys, RedisReplayGuard
 from pipeline.cache import LocalFirstCache, RedisDecisionCache
+from pipeline.decision_signing import DecisionSigner, signer_from_settings
 from pipeline.feature_store import RedisFeatureStore
 from pipeline.labels import MerchantTally
 from pipeline.model import ScoringModel
@@ -62,6 +64,7 @@ class Runtime:
     rules: RuleSet
     model: ScoringModel | None
     client_keys: ClientKeys
+    decision_signer: DecisionSigner
 
     @classmethod
     def load(cls, settings: Settings) -> Runtime:
@@ -77,7 +80,7 @@ class Runtime:
                 "not allowed: every transaction will be dead-lettered as unauthenticated"
             )
         log.info("serving model %s with rules %s; producers: %r", model.version, rules.version, keys)
-        return cls(settings, rules, model, keys)
+        return cls(settings, rules, model, keys, load_decision_signer(settings))
 
     def build_scorer(
         self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None
@@ -127,6 +130,28 @@ class Runtime:
         )
 
 
+def load_decision_signer(settings: Settings) -> DecisionSigner:
+    """The key every decision is signed with. None configured: refuse to start,
+    unless ``allow_unsigned`` (development), when a throwaway key signs them:
+    no consumer that checks signatures will accept those decisions."""
+    signer = signer_from_settings(settings)
+    if signer is not None:
+        log.info("signing decisions with key %s", signer.key_id)
+        return signer
+    if not settings.allow_unsigned:
+        raise ConfigError(
+            "no decision signing key: set FRAUD_DECISION_SIGNING_KEY_FILE (`fraud-pipeline decision-key` "
+            "writes one) or, for development only, FRAUD_ALLOW_UNSIGNED=true"
+        )
+    signer = DecisionSigner.generate()
+    log.warning(
+        "!!! NO DECISION SIGNING KEY: signing decisions with a throwaway key (%s) because FRAUD_ALLOW_UNSIGNED "
+        "is on. Consumers that verify decisions (gateway, loadgen) refuse them. Development only. !!!",
+        signer.key_id,
+    )
+    return signer
+
+
 def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     """The scoring worker's app. ``runtime`` defaults to loading rules and model from settings."""
     runtime = runtime or Runtime.load(settings)
@@ -136,6 +161,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     # acks=False: faust never commits `transactions`; each batch's transaction does.
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **RAW)
     commits = _transaction_commits(app, settings, metrics)
+    commits.sign_decisions = runtime.decision_signer  # every decision carries its Ed25519 signature
     merchant_tally = install_merchant_tally(app, settings)  # live confirmed fraud per merchant, for the rules
     reloader = runtime.reloader()
 

@@ -43,6 +43,7 @@ class TransactionCommits:
         topics: dict[str, str],
         stall_after_s: float = 5.0,
         consumer_options: Mapping[str, Any] | None = None,
+        sign_decisions: Any = None,
     ) -> None:
         self.app = app
         self.topic = topic
@@ -50,6 +51,8 @@ class TransactionCommits:
         #: ``decisions``/``dead_letters``/``feedback``/``monitoring`` -> topic name.
         self.topics = topics
         self.stall_after_s = stall_after_s
+        #: Signs each decision (pipeline/decision_signing.py): ``headers(value)`` -> Kafka headers.
+        self.sign_decisions = sign_decisions
         self._consumer_options = dict(consumer_options or {})
         #: Called with "hole", "quiet" or "markers" at each seek (the worker's metrics count them).
         self.on_reseek: Callable[[str], None] | None = None
@@ -112,7 +115,7 @@ class TransactionCommits:
             ends[tp] = max(ends.get(tp, -1), offset + 1)
         by_number = {tp.partition: tp for tp in ends}
         default = min(by_number)
-        records = output.records_by_partition(self.topics, default)
+        records = output.records_by_partition(self.topics, default, self.sign_decisions)
         pending = {p: PartitionBatch(ends[tp], records.get(p, [])) for p, tp in by_number.items()}
         delay = 0.1
         committed: set[int] = set()

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.errors import ConfigError
 from app.settings import Settings
 
-__all__ = ["BATCH_TIMEOUT_S", "async_client", "is_cluster", "is_cluster_client", "plain_url", "sync_client"]
+__all__ = ["BATCH_TIMEOUT_S", "async_client", "credentials", "is_cluster", "is_cluster_client", "plain_url", "sync_client"]
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -56,6 +57,28 @@ def plain_url(url: str) -> str:
 #: short enough that a Redis gone silent ends the command with an error
 #: instead of hanging it.
 BATCH_TIMEOUT_S = 60.0
+
+
+def credentials(settings: Settings) -> dict[str, str]:
+    """``username``/``password`` for the client, from ``redis_username`` and
+    ``redis_password`` or ``redis_password_file``; empty when none is set (the
+    URL's own ``user:password@``, if any, then applies)."""
+    if settings.redis_password is not None and settings.redis_password_file is not None:
+        raise ConfigError("set FRAUD_REDIS_PASSWORD or FRAUD_REDIS_PASSWORD_FILE, not both")
+    password: str | None = None
+    if settings.redis_password is not None:
+        password = settings.redis_password.get_secret_value()
+    elif settings.redis_password_file is not None:
+        try:
+            password = settings.redis_password_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"Redis password file {settings.redis_password_file}: {exc.strerror}") from None
+    out: dict[str, str] = {}
+    if settings.redis_username:
+        out["username"] = settings.redis_username
+    if password is not None:
+        out["password"] = password
+    return out
 
 
 def _options(timeout_s: float, connect_timeout_s: float | None, max_connections: int | None) -> dict[str, Any]:
@@ -88,6 +111,7 @@ def async_client(
     s = settings
     timeout = s.redis_timeout_s if timeout_s is None else timeout_s
     options = _options(timeout, connect_timeout_s, s.redis_pool_size if max_connections is None else max_connections)
+    options.update(credentials(s))
     if is_cluster(s):
         from redis.asyncio.cluster import RedisCluster
 
@@ -109,6 +133,7 @@ def sync_client(
     :data:`BATCH_TIMEOUT_S`); ``connect_timeout_s``: by default ``max(timeout_s, 0.2)``.
     """
     options = _options(timeout_s, connect_timeout_s, None)
+    options.update(credentials(settings))
     if is_cluster(settings):
         from redis.cluster import RedisCluster
 

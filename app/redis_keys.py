@@ -24,6 +24,8 @@ import orjson
 from app.contract import Transaction
 
 __all__ = [
+    "ACL_COMMANDS",
+    "ACL_KEY_PATTERNS",
     "GATEWAY_NAMESPACE",
     "MATERIALIZE_META_KEY",
     "QUALITY_PREFIX",
@@ -171,3 +173,28 @@ def quality_joined_key(prefix: str) -> str:
 def quality_joined_at_key(prefix: str) -> str:
     """Sorted set of joined rows by decision time (bounds ``joined``)."""
     return f"{prefix}joined-at"
+
+
+# --- ACL users ------------------------------------------------------------------
+
+#: The key patterns each role's Redis ACL user may touch (``%R~``: read only),
+#: from the key functions above. tools/stack.py ``start_redis(secure=True)``
+#: creates these users; SECURITY.md (*Redis users*) explains them.
+ACL_KEY_PATTERNS: dict[str, tuple[str, ...]] = {
+    # Scores: reads features, writes velocity, the decision cache, its buckets,
+    # the replay guard and (feedback role) the quality counters.
+    "worker": (
+        "%R~" + profile_key("*"), "%R~" + merchant_key("*"), "%R~" + MATERIALIZE_META_KEY,
+        "~" + velocity_key("*"), "~fp:dec:*", "~fp:rl:*", "~" + signature_key("*"), "~" + QUALITY_PREFIX + "*",
+    ),  # fmt: skip
+    # Its own token buckets only (``gw:`` ids inside the bucket keys).
+    "gateway": ("~" + client_bucket_key(GATEWAY_NAMESPACE + "*"), "~" + user_bucket_key(GATEWAY_NAMESPACE + "*")),
+    # Features only: profiles, merchant risk, velocity history, the as-of marker.
+    "materialize": (
+        "~" + profile_key("*"), "~" + merchant_key("*"), "~" + velocity_key("*"), "~" + MATERIALIZE_META_KEY,
+    ),  # fmt: skip
+}
+
+#: What every role may run: no administration and nothing @dangerous (KEYS,
+#: FLUSHALL, CONFIG, DEBUG...). Scripts run under the caller's key patterns.
+ACL_COMMANDS = "+@all -@admin -@dangerous"

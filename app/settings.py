@@ -54,6 +54,13 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     """Treat ``redis_url`` as one node of a Redis Cluster (app/redis_client.py)."""
 
+    redis_username: str | None = None
+    """The Redis ACL user this process connects as (SECURITY.md, *Redis users*); unset: ``default``."""
+
+    redis_password: SecretStr | None = None
+    redis_password_file: Path | None = None
+    """The ACL user's password, from the environment or a file (one line); set one of the two."""
+
     redis_pool_size: int = 8
     """Connections in the worker's Redis pool (one pipeline per batch needs few)."""
 
@@ -78,6 +85,25 @@ class Settings(BaseSettings):
     allow_unsigned: bool = False
     """Accept messages without signature headers. For development only; a
     message that carries any signature header is still verified."""
+
+    # --- decision signatures (pipeline/decision_signing.py, SECURITY.md) -----
+    decision_signing_key_file: Path | None = None
+    """The worker's Ed25519 private key (PEM PKCS#8, or a raw 32-byte seed in hex or
+    base64): every decision it produces is signed with it. Without one (nor
+    ``decision_signing_key``) a worker refuses to start, unless ``allow_unsigned``
+    (development), when it signs with a throwaway key nobody can verify."""
+
+    decision_signing_key: SecretStr | None = None
+    """The same key, from the environment (``FRAUD_DECISION_SIGNING_KEY``)."""
+
+    decision_public_keys_file: Path | None = None
+    """JSON ``{"keys": [{"key_id": "...", "public_key": "<base64>"}]}``: the public keys
+    whose decisions the gateway and the load generator accept (two during a rotation).
+    The gateway refuses to start without it unless ``allow_unsigned``."""
+
+    decision_public_keys: str | None = None
+    """``<base64 public key>,<base64 public key>``: more accepted keys, from the environment
+    (``FRAUD_DECISION_PUBLIC_KEYS``; a container without the file)."""
 
     auth_window_s: float = 300.0
     """A signature older or newer than this is refused as stale (clock skew + retries)."""

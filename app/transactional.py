@@ -76,8 +76,9 @@ class PartitionBatch:
 
     next_offset: int
     """The offset after the last record consumed: committed with the transaction."""
-    records: list[tuple[str, bytes | None, bytes]] = field(default_factory=list)
-    """(topic, key, value), in the order they are produced."""
+    records: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
+    """(topic, key, value, headers), in the order they are produced (headers: the
+    decision signature, pipeline/decision_signing.py; empty for other records)."""
 
 
 class TransactionalEmitter:
@@ -165,8 +166,8 @@ class TransactionalEmitter:
         try:
             await producer.begin_transaction()
             try:
-                for topic, key, value in batch.records:
-                    await producer.send(topic, value, key=key)
+                for topic, key, value, headers in batch.records:
+                    await producer.send(topic, value, key=key, headers=headers or None)
                 await producer.send_offsets_to_transaction(
                     {TopicPartition(self.topic, partition): batch.next_offset}, self.group_id
                 )

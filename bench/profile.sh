@@ -20,6 +20,8 @@ $BIN/python -m tools.stack up >/dev/null
 source .stack/env
 export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_BATCH_SIZE=$BATCH FRAUD_APP_ID=profile-$RANDOM
 $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
+export FRAUD_DECISION_SIGNING_KEY_FILE=.stack/decision-key.pem FRAUD_DECISION_PUBLIC_KEYS_FILE=.stack/decision-public-keys.json
+$BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --public "$FRAUD_DECISION_PUBLIC_KEYS_FILE" >/dev/null
 $BIN/fraud-pipeline materialize --data $DATA >/dev/null
 $BIN/fraud-pipeline worker > .stack/profile-worker.log 2>&1 &
 WORKER_PID=$!

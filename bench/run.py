@@ -116,7 +116,10 @@ class Variant:
     batch_window_s: float
 
     def env(self) -> dict[str, str]:
-        return {"FRAUD_BATCH_SIZE": str(self.batch_size), "FRAUD_BATCH_WINDOW_S": str(self.batch_window_s)}
+        env = {"FRAUD_BATCH_SIZE": str(self.batch_size), "FRAUD_BATCH_WINDOW_S": str(self.batch_window_s)}
+        if self.passthrough:  # forwards transactions unsigned: nothing to verify
+            env["FRAUD_DECISION_PUBLIC_KEYS"] = ""
+        return env
 
 
 # The ceiling takes batches as ``batched`` does, so scoring is the only difference.
@@ -703,10 +706,13 @@ class Services:
     """Processes we started, by name: their CPU is sampled too."""
     client_key: str = field(default_factory=lambda: secrets.token_hex(32))
     """This run's producer key: the load generator signs, pipeline workers verify."""
+    decision_key: str = field(default_factory=lambda: secrets.token_hex(32))
+    """This run's decision signing key (a raw Ed25519 seed): workers sign, the load generator verifies."""
 
     def env(self) -> dict[str, str]:
         """The environment every bench worker (and the load generator's settings) gets."""
         return {
+            **decision_key_env(self.decision_key),
             "KAFKA_BOOTSTRAP": self.bootstrap,
             "FRAUD_KAFKA_BOOTSTRAP": self.bootstrap,
             "REDIS_URL": self.redis_url,
@@ -715,6 +721,14 @@ class Services:
             "FRAUD_CLIENT_KEYS": f"{BENCH_CLIENT}:{self.client_key}",
             **BENCH_RATE_LIMITS,
         }
+
+
+def decision_key_env(seed_hex: str) -> dict[str, str]:
+    """Workers sign decisions with ``seed_hex``; consumers verify with its public key (as deployed)."""
+    from pipeline.decision_signing import DecisionSigner, public_key_text
+
+    signer = DecisionSigner.from_bytes(seed_hex.encode(), "bench")
+    return {"FRAUD_DECISION_SIGNING_KEY": seed_hex, "FRAUD_DECISION_PUBLIC_KEYS": public_key_text(signer.public_key)}
 
 
 def settings_from_env(env: Mapping[str, str]) -> Any:

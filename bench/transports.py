@@ -49,7 +49,7 @@ from typing import Any
 
 import orjson
 
-from bench.run import RESULTS_DIR, machine_info, proc_cpu_s, services
+from bench.run import RESULTS_DIR, decision_key_env, machine_info, proc_cpu_s, services
 from tools.loadgen import percentiles
 
 __all__ = ["SCENARIOS", "echo_decision", "main", "scenario_record"]
@@ -451,6 +451,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             KAFKA_BOOTSTRAP=svc.bootstrap, REDIS_URL=svc.redis_url, PYTHONUNBUFFERED="1",
             FRAUD_CLIENT_KEYS=f"gateway:{producer_key}", FRAUD_GATEWAY_KEYS=f"bench:{api_key}",
             FRAUD_GATEWAY_TIMEOUT_S=str(GATEWAY_TIMEOUT_S), FRAUD_PARTITIONS="4", **NO_LIMITS, **topics,
+            **decision_key_env(secrets.token_hex(32)),
         )  # fmt: skip
         settings = Settings(kafka_bootstrap=svc.bootstrap, partitions=4,
                             **{k[len("FRAUD_"):].lower(): v for k, v in topics.items()})  # fmt: skip

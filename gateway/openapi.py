@@ -306,6 +306,25 @@ def _service_paths() -> dict[str, Any]:
                 "responses": {"200": {"description": "ok"}, "503": {"description": "not ready"}},
             }
         },
+        "/v1/keys": {
+            "get": {
+                "summary": "The public keys decisions are signed with (Ed25519; SECURITY.md, Decision signatures)",
+                "security": [],
+                "responses": {"200": {
+                    "description": "Every key whose decisions the gateway accepts (two during a rotation).",
+                    "content": {"application/json": {"schema": {
+                        "type": "object", "required": ["keys"],
+                        "properties": {"keys": {"type": "array", "items": {
+                            "type": "object", "required": ["key_id", "public_key"],
+                            "properties": {
+                                "key_id": {"type": "string", "pattern": "^[0-9a-f]{16}$"},
+                                "public_key": {"type": "string", "description": "base64 of the raw 32-byte key"},
+                            },
+                        }}},
+                    }}},
+                }},
+            }
+        },
         "/openapi.json": {
             "get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}
         },

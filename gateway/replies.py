@@ -34,6 +34,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from app.errors import ConfigError
 from app.settings import Settings
 from app.topics import kafka_auth, partitions_of
+from pipeline.decision_signing import DecisionVerifier, Unverified, headers_of
 
 __all__ = ["Outcome", "Replies", "assignable", "correlation_of_dead_letter"]
 
@@ -131,9 +132,9 @@ class TopicReader:
         for tp, records in batches.items():
             for record in records:
                 if record.value is not None:
-                    self.read(tp.topic, record.value)
+                    self.read(tp.topic, record.value, record.headers)
 
-    def read(self, topic: str, value: bytes) -> None:
+    def read(self, topic: str, value: bytes, headers: Any = ()) -> None:
         """Take one record's value (a subclass says what that means)."""
         raise NotImplementedError
 
@@ -155,9 +156,13 @@ class Replies(TopicReader):
     task_name = "gateway-replies"
     reads = "decisions"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, decision_keys: DecisionVerifier | None = None) -> None:
         super().__init__(settings)
+        #: Only decisions signed by one of these keys are answers; None: any (development).
+        self.decision_keys = decision_keys
         self._pending: dict[str, asyncio.Future[Outcome]] = {}
+        self.unverified = 0
+        """Decision records refused because their signature did not verify (forged, or an unknown key)."""
         self.matched = 0
         self.unmatched = 0
         """Records read that no pending request wanted (other producers' traffic, old records)."""
@@ -193,8 +198,12 @@ class Replies(TopicReader):
         """Drop a request that was answered or gave up (a late reply is then ignored)."""
         self._pending.pop(correlation_id, None)
 
-    def deliver(self, topic: str, value: bytes) -> bool:
-        """Resolve the request waiting for this record; False if none is."""
+    def deliver(self, topic: str, value: bytes, headers: Any = ()) -> bool:
+        """Resolve the request waiting for this record; False if none is.
+
+        A decision must carry a valid signature by a published key: one that
+        does not is no answer (the request keeps waiting for the genuine one,
+        or times out), and is counted in ``unverified``."""
         try:
             doc = orjson.loads(value)
         except orjson.JSONDecodeError:
@@ -206,16 +215,27 @@ class Replies(TopicReader):
             correlation, kind = doc.get("correlation_id"), "decision"
         else:
             correlation, kind = correlation_of_dead_letter(doc), "dead_letter"
-        future = self._pending.pop(correlation, None) if isinstance(correlation, str) else None
+        future = self._pending.get(correlation) if isinstance(correlation, str) else None
         if future is None or future.done():
+            if future is not None:
+                del self._pending[correlation]
             self.unmatched += 1
             return False
+        # Verified only when it would answer a request (other traffic costs no signature check).
+        if kind == "decision" and self.decision_keys is not None:
+            verdict = self.decision_keys.verify(value, headers_of(headers))
+            if isinstance(verdict, Unverified):
+                self.unverified += 1
+                log.warning("refusing a decision for %.64s (%s): %s", doc.get("transaction_id"), verdict.code,
+                            verdict.detail)  # fmt: skip
+                return False
+        del self._pending[correlation]
         future.set_result(Outcome(kind, doc))  # type: ignore[arg-type]
         self.matched += 1
         return True
 
-    def read(self, topic: str, value: bytes) -> None:
-        self.deliver(topic, value)
+    def read(self, topic: str, value: bytes, headers: Any = ()) -> None:
+        self.deliver(topic, value, headers)
 
     def _take(self, batches: dict[TopicPartition, list[Any]]) -> None:
         if not self._pending:

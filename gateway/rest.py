@@ -51,6 +51,7 @@ from gateway.openapi import openapi_document
 from gateway.replies import Replies
 from gateway.review import ReviewQueue, ReviewReader, analyst_label
 from pipeline.auth import ClientKeys, sign
+from pipeline.decision_signing import DecisionVerifier, verifier_from_settings
 from pipeline.labels import LABELS
 from pipeline.ratelimit import RateDecision, RedisRateLimiter
 from pipeline.validate import Limits
@@ -182,6 +183,8 @@ class Gateway:
     review: ReviewQueue | None = None
     review_reader: ReviewReader | None = None
     redis: Any = None
+    decision_keys: DecisionVerifier | None = None
+    """The public keys whose decisions are answers; None accepts any decision (development)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Gateway:
@@ -205,7 +208,21 @@ class Gateway:
         if not len(analysts):
             log.warning("no analyst keys (FRAUD_GATEWAY_ANALYST_KEYS[_FILE]): the review page cannot load data")
         signer = Signer(settings.gateway_client_id, key)
-        return cls(settings, api, analysts, signer, review=ReviewQueue(settings.gateway_review_limit))
+        decision_keys: DecisionVerifier | None = verifier_from_settings(settings)
+        if not decision_keys and not settings.allow_unsigned:
+            raise ConfigError(
+                "no decision public keys: set FRAUD_DECISION_PUBLIC_KEYS_FILE (`fraud-pipeline decision-key` "
+                "writes it) or, for development only, FRAUD_ALLOW_UNSIGNED=true"
+            )
+        if not decision_keys:
+            log.warning("!!! no decision public keys: answering with UNVERIFIED decisions (development only) !!!")
+            decision_keys = None
+        else:
+            log.info("accepting decisions signed by keys %s", sorted(decision_keys))
+        return cls(
+            settings, api, analysts, signer, review=ReviewQueue(settings.gateway_review_limit),
+            decision_keys=decision_keys,
+        )  # fmt: skip
 
     @property
     def limits(self) -> Limits:
@@ -219,7 +236,7 @@ class Gateway:
             bootstrap_servers=s.kafka_bootstrap, linger_ms=0, acks=1, **kafka_auth(s),
         )  # fmt: skip
         await self.producer.start()
-        self.replies = Replies(s)
+        self.replies = Replies(s, self.decision_keys)
         await self.replies.start()
         if self.review is not None:
             self.review_reader = ReviewReader(s, self.review)
@@ -322,8 +339,15 @@ async def get_health(request: web.Request) -> web.Response:
         "status": "ok" if ok else "unavailable",
         "pending": replies.pending if replies else 0,
         "review_queue": len(gw.review) if gw.review is not None else 0,
+        "unverified_decisions": replies.unverified if replies else 0,
     }
     return json_response(doc, status=200 if ok else 503)
+
+
+async def get_keys(request: web.Request) -> web.Response:
+    """The public keys decisions are signed with (SECURITY.md, *Decision signatures*)."""
+    gw = _gateway(request)
+    return json_response({"keys": gw.decision_keys.published() if gw.decision_keys else []})
 
 
 async def get_review_page(request: web.Request) -> web.FileResponse:
@@ -387,6 +411,7 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/transactions", post_transaction)
     app.router.add_get("/v1/review/decisions", get_review_items)
     app.router.add_post("/v1/review/{transaction_id}/label", post_label)
+    app.router.add_get("/v1/keys", get_keys)
     app.router.add_get("/openapi.json", get_openapi)
     app.router.add_get("/healthz", get_health)
     app.router.add_get("/review", get_review_page)

@@ -173,7 +173,7 @@ class ReviewReader(TopicReader):
         await self._consumer.seek_to_beginning(*parts)
         self._follow()
 
-    def read(self, topic: str, value: bytes) -> None:
+    def read(self, topic: str, value: bytes, headers: Any = ()) -> None:
         if topic == self.settings.topic_labels:
             label = parse_label(value)
             if not isinstance(label, str):

@@ -62,9 +62,14 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], ARGV[2], 'WITHSCORES
 
 #: The whole batch in one command (one Redis server): for each transaction the
 #: steps of VELOCITY_SCRIPT, then HGETALL of the profiles and merchants not in
-#: the local cache. KEYS: n velocity keys, then p profile keys, then merchant
-#: keys. ARGV: n, p, retention (s), then per transaction member, time, prune
-#: before, window start. Returns n velocity replies, then the hashes (flat).
+#: the local cache. KEYS: the n velocity keys. ARGV: n, p, retention (s), then
+#: per transaction member, time, prune before, window start, then the p profile
+#: keys and the merchant keys. Returns n velocity replies, then the hashes (flat).
+#: NOTE: the feature keys are read, never written, so they are ARGV, not KEYS:
+#: Redis checks a script's declared KEYS against the caller's ACL as writable
+#: (it cannot tell how a script uses them), and the worker's ACL user may only
+#: read features (SECURITY.md, *Redis users*); an undeclared key is checked per
+#: command (HGETALL: a read). One server only, as this script already is.
 #: NOTE: each pipelined command costs the worker ~30-50 us of Python in
 #: redis-py (packing, parsing, futures); a batch of 32 sent ~70 of them, the
 #: biggest single cost of a saturated worker's event loop. A Redis Cluster
@@ -79,8 +84,9 @@ for i = 1, n do
   redis.call('EXPIRE', KEYS[i], keep)
   out[i] = redis.call('ZRANGEBYSCORE', KEYS[i], '(' .. ARGV[a + 4], ARGV[a + 2], 'WITHSCORES')
 end
-for i = n + 1, #KEYS do
-  out[i] = redis.call('HGETALL', KEYS[i])
+local first = 3 + n * 4
+for j = first + 1, #ARGV do
+  out[n + j - first] = redis.call('HGETALL', ARGV[j])
 end
 return out
 """
@@ -236,14 +242,14 @@ class RedisFeatureStore:
             dict.fromkeys(tx.merchant_id for tx in txs if not self._merchants.get(tx.merchant_id, now)[0])
         )
         keys = [velocity_key(tx.user_id) for tx in txs]
-        keys += [profile_key(u) for u in profiles]
-        keys += [merchant_key(m) for m in merchants]
         args: list[Any] = [len(txs), len(profiles), int(VELOCITY_RETENTION_S)]
         for tx in txs:
             args += [
                 velocity_member(tx), repr(tx.timestamp),
                 repr(tx.timestamp - VELOCITY_RETENTION_S), repr(tx.timestamp - DAY_S),
             ]  # fmt: skip
+        args += [profile_key(u) for u in profiles]  # read only: ARGV, not KEYS (see BATCH_ENRICH_SCRIPT)
+        args += [merchant_key(m) for m in merchants]
         replies = await self._batch_script(keys=keys, args=args)
         hashes = iter(replies[len(txs):])
         for user_id in profiles:

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import orjson
@@ -46,7 +46,7 @@ from pipeline.model import Prediction, ScoringModel
 from pipeline.rules import RuleSet, evaluate_rules
 from pipeline.validate import Limits, Rejection, validate
 
-__all__ = ["BatchOutput", "Inbound", "Scorer"]
+__all__ = ["BatchOutput", "Inbound", "Record", "Scorer", "Signs"]
 
 log = logging.getLogger(__name__)
 
@@ -118,20 +118,35 @@ class BatchOutput:
         self.origins[kind].append(origin.partition)
 
     def records_by_partition(
-        self, topics: dict[str, str], default: int
-    ) -> dict[int, list[tuple[str, bytes | None, bytes]]]:
-        """Every record to produce as (topic, key, value), grouped by input
+        self, topics: dict[str, str], default: int, sign: Signs | None = None
+    ) -> dict[int, list[Record]]:
+        """Every record to produce as (topic, key, value, headers), grouped by input
         partition (``default`` for records of unknown origin); ``topics`` maps
         ``decisions``/``dead_letters``/``feedback``/``monitoring`` to topic names.
-        The batch's monitoring records go with the ``default`` partition."""
-        out: dict[int, list[tuple[str, bytes | None, bytes]]] = {}
+        The batch's monitoring records go with the ``default`` partition.
+
+        ``sign`` (the worker's :class:`~pipeline.decision_signing.DecisionSigner`)
+        gives each decision its signature headers: here its value bytes are
+        final, and this is called once per batch (a retried transaction resends
+        the same records), so each decision is signed exactly once."""
+        out: dict[int, list[Record]] = {}
         for kind in ("decisions", "dead_letters", "feedback"):
+            signing = sign if kind == "decisions" else None
             for origin, (key, value) in zip(self.origins[kind], getattr(self, kind), strict=True):
-                out.setdefault(default if origin is None else origin, []).append((topics[kind], key, value))
+                headers = signing.headers(value) if signing is not None else []
+                out.setdefault(default if origin is None else origin, []).append((topics[kind], key, value, headers))
         extra = [orjson.dumps(self.monitoring)] if self.monitoring is not None else []
         for value in extra + self.extra_monitoring:
-            out.setdefault(default, []).append((topics["monitoring"], None, value))
+            out.setdefault(default, []).append((topics["monitoring"], None, value, []))
         return out
+
+
+class Signs(Protocol):
+    def headers(self, value: bytes) -> list[tuple[str, bytes]]: ...
+
+
+#: (topic, key, value, headers): one record to produce.
+Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
 
 
 @dataclass

@@ -26,6 +26,10 @@ source .stack/env
 # Producers sign their messages (HMAC); the demo's load generator is one of them.
 export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json
 $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
+# The worker signs every decision (Ed25519); the load generator verifies them with the public keys.
+export FRAUD_DECISION_SIGNING_KEY_FILE=.stack/decision-key.pem
+export FRAUD_DECISION_PUBLIC_KEYS_FILE=.stack/decision-public-keys.json
+$BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --public "$FRAUD_DECISION_PUBLIC_KEYS_FILE" >/dev/null
 
 echo "== 2/5 data and model"
 [[ -f $DATA ]] || $BIN/fraud-pipeline simulate --users 2000 --merchants 4000 --days 45 --out $DATA

@@ -83,6 +83,14 @@ def unique_name() -> Callable[[str], str]:
     return make
 
 
+@pytest.fixture(scope="session")
+def decision_keys() -> tuple[Path, Path]:
+    """(private key, public keys file) of the decision signing key every test worker uses."""
+    from tests.factories import decision_key_files
+
+    return decision_key_files()
+
+
 # --- data and a trained model, shared by the session --------------------------
 
 #: A small simulation: big enough for the 7/7/7-day protocol and 30-day profiles.

@@ -3,8 +3,11 @@ Redis features, key partitioning. (Imported as ``tests.factories``.)"""
 
 from __future__ import annotations
 
+import functools
+import tempfile
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -103,3 +106,27 @@ def materialize_into(frame: Any, url: str, *, flush: bool = False) -> None:
         materialize(frame, client, progress=False)
     finally:
         client.close()
+
+
+# --- decision signing keys ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def decision_key_files() -> tuple[Path, Path]:
+    """One decision signing key for the whole test process: (private key PEM, public keys file).
+
+    Every worker a test starts signs with it and every gateway verifies with it,
+    as one deployment's workers and gateways share a key.
+    """
+    from pipeline.decision_signing import DecisionSigner, DecisionVerifier, write_private_key, write_public_keys
+
+    folder = Path(tempfile.mkdtemp(prefix="decision-keys-"))
+    signer = DecisionSigner.generate()
+    write_private_key(signer, folder / "decision-key.pem")
+    write_public_keys(DecisionVerifier([signer.public_key]), folder / "decision-public-keys.json")
+    return folder / "decision-key.pem", folder / "decision-public-keys.json"
+
+
+def decision_key_env() -> dict[str, str]:
+    key, public = decision_key_files()
+    return {"FRAUD_DECISION_SIGNING_KEY_FILE": str(key), "FRAUD_DECISION_PUBLIC_KEYS_FILE": str(public)}

@@ -11,6 +11,7 @@
     loadgen       produce live transactions at a fixed rate and measure decisions
     topics        create the topics with their partition counts
     keys          create a producer client's signing key
+    decision-key  create (or rotate) the workers' decision signing key and publish its public key
     stack         start/stop the local broker and Redis (up | down | status)
     scale         autoscaling: `scale advise` recommends a worker count from lag and throughput
 """
@@ -372,6 +373,51 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_decision_key(args: argparse.Namespace) -> int:
+    """The workers' Ed25519 key (PEM, 0600) and the public keys file consumers verify with.
+
+    An existing key is kept (its public key is published if missing) unless
+    ``--rotate``: then a new key replaces it and the old public key stays
+    published next to the new one until ``--retire <key id>``.
+    """
+    from pipeline.decision_signing import (
+        DecisionSigner,
+        DecisionVerifier,
+        write_private_key,
+        write_public_keys,
+    )
+
+    key_path: Path = args.key
+    public_path: Path = args.public
+    published = DecisionVerifier.from_file(public_path) if public_path.is_file() else DecisionVerifier()
+    keys = dict(published)
+    if args.retire:
+        if args.retire not in keys:
+            print(f"no key {args.retire!r} in {public_path}")
+            return 1
+        if key_path.is_file() and DecisionSigner.from_file(key_path).key_id == args.retire:
+            print(f"key {args.retire} is the one in {key_path}, which workers sign with: rotate first")
+            return 1
+        del keys[args.retire]
+        write_public_keys(DecisionVerifier(keys.values()), public_path)
+        print(f"key {args.retire} retired from {public_path}; decisions it signed no longer verify")
+        return 0
+    if key_path.is_file() and not args.rotate:
+        signer = DecisionSigner.from_file(key_path)
+        note = "kept"
+    else:
+        note = "rotated" if key_path.is_file() else "created"
+        signer = DecisionSigner.generate()
+        write_private_key(signer, key_path)
+    keys[signer.key_id] = signer.public_key
+    write_public_keys(DecisionVerifier(keys.values()), public_path)
+    print(
+        f"decision key {signer.key_id} {note} in {key_path} (workers: FRAUD_DECISION_SIGNING_KEY_FILE={key_path}); "
+        f"published keys {sorted(keys)} in {public_path} (gateway, consumers: FRAUD_DECISION_PUBLIC_KEYS_FILE)"
+    )
+    return 0
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     from tools import stack
 
@@ -531,6 +577,14 @@ def _add_setup_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--file", type=Path, default=Path("config/client-keys.json"))
     p.add_argument("--rotate", action="store_true", help="replace an existing key")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("decision-key", help="create or rotate the workers' decision signing key (Ed25519)")
+    p.add_argument("--key", type=Path, default=Path("config/decision-key.pem"), help="the private key (PEM, 0600)")
+    p.add_argument("--public", type=Path, default=Path("config/decision-public-keys.json"),
+                   help="the public keys file consumers verify with")
+    p.add_argument("--rotate", action="store_true", help="replace the private key; the old public key stays valid")
+    p.add_argument("--retire", metavar="KEY_ID", help="remove a rotated-out key from the public keys file")
+    p.set_defaults(func=cmd_decision_key)
 
     p = sub.add_parser("topics", help="create the topics")
     p.set_defaults(func=cmd_topics)

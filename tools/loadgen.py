@@ -37,6 +37,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from app.settings import Settings, get_settings
 from app.topics import kafka_auth
+from pipeline.decision_signing import Unverified, headers_of, verifier_from_settings
 
 __all__ = ["LoadConfig", "percentiles", "run_load"]
 
@@ -126,6 +127,10 @@ class _LoadRun:
         s = self.settings = cfg.settings
         self.source = LiveTransactions(_population(cfg.data), seed=cfg.seed, fraud_rate=cfg.fraud_rate)
         self.signer = _signer(s)
+        # Decisions count only when signed by a published key (FRAUD_DECISION_PUBLIC_KEYS_FILE);
+        # without that file they are not checked (a pass-through bench worker signs nothing).
+        self.decision_keys = verifier_from_settings(s) or None
+        self.unverified = 0
         auth = kafka_auth(s)
         self.producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, linger_ms=2, **auth)
         self.consumer = AIOKafkaConsumer(
@@ -248,7 +253,15 @@ class _LoadRun:
             now = time.monotonic()
             for records in batches.values():
                 for record in records:
-                    self.collect(orjson.loads(record.value), now)
+                    doc = orjson.loads(record.value)
+                    if (
+                        self.decision_keys is not None
+                        and doc.get("transaction_id") in self.sent_at  # only ours are worth a signature check
+                        and isinstance(self.decision_keys.verify(record.value, headers_of(record.headers)), Unverified)
+                    ):
+                        self.unverified += 1  # forged, or an unknown key: not a decision
+                        continue
+                    self.collect(doc, now)
             if self.done_sending.is_set() and not self.sent_at:
                 return
 
@@ -309,6 +322,8 @@ class _LoadRun:
             "decided": len(self.received),
             "measured": len(self.latencies),
             "lost": len(self.sent_at),
+            "verified": self.decision_keys is not None,
+            "unverified": self.unverified,
             "achieved_rate": round(in_window / window_s, 1) if window_s > 0 else 0.0,
             "latency_ms": percentiles(self.latencies),
             "generator_lag_ms": percentiles(self.gen_lag),
@@ -328,6 +343,7 @@ def _print_summary(cfg: LoadConfig, summary: dict[str, Any]) -> None:
     print(
         f"sent {summary['sent']:,} at {cfg.rate:,.0f}/s offered; decided {summary['decided']:,} "
         f"({summary['achieved_rate']:,.0f}/s), without decision {summary['lost']}; "
+        f"unverified {summary['unverified']}{'' if summary['verified'] else ' (signatures not checked)'}; "
         f"latency p50 {lat['p50']} ms, p95 {lat['p95']} ms, p99 {lat['p99']} ms, max {lat['max']} ms; "
         f"actions {summary['actions']}; degraded {summary['degraded']}"
     )

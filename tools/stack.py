@@ -25,8 +25,10 @@ import argparse
 import asyncio
 import base64
 import concurrent.futures
+import hashlib
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -486,11 +488,20 @@ def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path) -> None:
         raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
 
 
-def start_redis(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> ServiceHandle:
+def start_redis(
+    port: int | None = None, workdir: Path = DEFAULT_STATE_DIR, *, secure: bool = False
+) -> ServiceHandle:
     """Start redis-server on 127.0.0.1:``port`` (a free one if None); return once it answers PING.
 
     No persistence: every start is empty. Logs to ``workdir/redis.log``. The handle's
     ``url`` is ``redis://127.0.0.1:PORT/0``.
+
+    ``secure``: ACL users instead of the open ``default`` user (switched off): one
+    per role of ``app.redis_keys.ACL_KEY_PATTERNS`` (worker, gateway, materialize)
+    and ``admin`` (everything: tests, operators). Each gets a fresh random password
+    in ``redis_password_path(workdir, role)`` (0600), for ``FRAUD_REDIS_USERNAME`` +
+    ``FRAUD_REDIS_PASSWORD_FILE``. The handle's ``url`` then carries the admin's
+    credentials.
     """
     port = port or free_port()
     _ensure_port_free(port, "redis")
@@ -504,8 +515,42 @@ def start_redis(port: int | None = None, workdir: Path = DEFAULT_STATE_DIR) -> S
         "--daemonize", "no",
         "--dir", str(workdir.resolve()),
     ]  # fmt: skip
-    handle = _spawn("redis", argv, f"redis://127.0.0.1:{port}/0", workdir / "redis.log")
+    url = f"redis://127.0.0.1:{port}/0"
+    if secure:
+        acl_file = workdir / "users.acl"
+        admin = _write_acl(acl_file, workdir)
+        argv += ["--aclfile", str(acl_file.resolve())]
+        url = f"redis://admin:{admin}@127.0.0.1:{port}/0"
+    handle = _spawn("redis", argv, url, workdir / "redis.log")
     return _ready_or_stopped(handle, wait_redis_ready)
+
+
+def redis_password_path(workdir: Path, role: str) -> Path:
+    """Where ``start_redis(secure=True)`` wrote the password of ``role``'s ACL user."""
+    return workdir / "redis-users" / f"{role}.password"
+
+
+def _write_acl(acl_file: Path, workdir: Path) -> str:
+    """An ACL file of the role users and ``admin``, passwords stored as SHA-256; returns admin's password."""
+    from app.redis_keys import ACL_COMMANDS, ACL_KEY_PATTERNS
+
+    lines = ["user default off"]
+    admin = ""
+    for role, patterns in {**ACL_KEY_PATTERNS, "admin": ("~*",)}.items():
+        password = secrets.token_hex(24)
+        path = redis_password_path(workdir, role)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(password + "\n")
+        commands = "+@all" if role == "admin" else ACL_COMMANDS
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        lines.append(f"user {role} on #{digest} resetchannels {' '.join(patterns)} {commands}")
+        if role == "admin":
+            admin = password
+    acl_file.write_text("\n".join(lines) + "\n")
+    acl_file.chmod(0o600)
+    return admin
 
 
 def _kafka_classpath() -> str:

@@ -81,7 +81,7 @@ def test_a_zombie_late_transaction_is_refused(kafka_bootstrap: str, unique_name:
             late = exc
         finally:
             await zombie.stop()
-        results = await owner.commit({0: PartitionBatch(1, [(out, b"t-1", b"owner: approve")])})
+        results = await owner.commit({0: PartitionBatch(1, [(out, b"t-1", b"owner: approve", [])])})
         assert results == {0: None}
         await owner.close()
         values, offsets = await _committed_view(kafka_bootstrap, group, source, out)
@@ -102,11 +102,11 @@ def test_a_fenced_worker_drops_the_partition_and_keeps_the_others(
         await _topics(kafka_bootstrap, source, out)
         old, new = _emitter(kafka_bootstrap, group, source), _emitter(kafka_bootstrap, group, source)
         await old.assign([0, 1])
-        assert await old.commit({0: PartitionBatch(3, [(out, b"a", b"old p0 batch 1")])}) == {0: None}
+        assert await old.commit({0: PartitionBatch(3, [(out, b"a", b"old p0 batch 1", [])])}) == {0: None}
         await new.assign([0])  # partition 0 moved; the old worker has not noticed yet
         results = await old.commit({
-            0: PartitionBatch(5, [(out, b"a", b"old p0 batch 2 (late)")]),
-            1: PartitionBatch(2, [(out, b"b", b"old p1 batch 1")]),
+            0: PartitionBatch(5, [(out, b"a", b"old p0 batch 2 (late)", [])]),
+            1: PartitionBatch(2, [(out, b"b", b"old p1 batch 1", [])]),
         })  # fmt: skip
         left = old.partitions
         await old.close()

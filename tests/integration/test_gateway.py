@@ -311,6 +311,81 @@ def test_rest_times_out_with_504_then_limits_the_client(rig: Rig) -> None:
     assert int(refused.headers["Retry-After"]) >= 1
 
 
+def test_decision_signatures_forged_decisions_are_no_answer(rig: Rig) -> None:
+    """Whoever can write to ``decisions`` cannot answer for the workers: a forged
+    ``approve`` with a real transaction id and the request's correlation id (read
+    off ``transactions``) is refused by the gateway; a decision signed with the
+    workers' key is the answer. No worker reads these topics: the test plays it."""
+    from aiokafka import AIOKafkaProducer
+
+    from pipeline.decision_signing import DecisionSigner
+    from tests.factories import decision_key_files
+
+    genuine_signer = DecisionSigner.from_file(decision_key_files()[0])
+    topics = Topics.unique("gwsig")
+    asyncio.run(topics.create(rig.bootstrap, PARTITIONS))
+    client_key = new_key()
+    env = {
+        **rig.gateway_env, **topics.env(), "FRAUD_GATEWAY_TIMEOUT_S": "6",
+        "FRAUD_GATEWAY_KEYS_FILE": str(write_keys(rig.workdir / "sig-api.json",
+                                                  **{f"sig-{uuid.uuid4().hex[:8]}": client_key})),
+    }  # fmt: skip
+    gateway = GatewayProc(env, rig.workdir / "gateway-sig.log")
+    try:
+        gateway.wait_ready()
+        keys = http("GET", f"{gateway.url}/v1/keys").json()["keys"]
+        assert genuine_signer.key_id in {k["key_id"] for k in keys}
+
+        async def answer(sign: Any) -> tuple[Reply, dict[str, Any]]:
+            """POST a transaction, and answer it on ``decisions`` with ``sign(value)`` headers."""
+            doc = rig.make_tx()
+            consumer = AIOKafkaConsumer(bootstrap_servers=rig.bootstrap, group_id=None, auto_offset_reset="earliest")
+            producer = AIOKafkaProducer(bootstrap_servers=rig.bootstrap)
+            await consumer.start()
+            await producer.start()
+            try:
+                consumer.assign([TopicPartition(topics.transactions, p) for p in range(PARTITIONS)])
+                call = asyncio.ensure_future(asyncio.to_thread(
+                    http, "POST", f"{gateway.url}/v1/transactions", doc, client_key))  # fmt: skip
+                correlation = None
+                while correlation is None:
+                    for records in (await consumer.getmany(timeout_ms=500)).values():
+                        for record in records:
+                            if orjson.loads(record.value)["transaction_id"] == doc["transaction_id"]:
+                                correlation = dict(record.headers)["correlation-id"].decode()
+                decision = {
+                    "transaction_id": doc["transaction_id"], "user_id": doc["user_id"], "action": "approve",
+                    "score": 0.0, "reasons": [], "correlation_id": correlation, "cached": False,
+                }  # fmt: skip
+                value = orjson.dumps(decision)
+                await producer.send_and_wait(
+                    topics.decisions, value, key=doc["transaction_id"].encode(), headers=sign(value)
+                )
+                return await call, decision
+            finally:
+                await consumer.stop()
+                await producer.stop()
+
+        impostor = DecisionSigner.generate()
+        forgeries = {
+            "unsigned": lambda value: [],
+            "unknown key": impostor.headers,
+            "forged under the genuine key id": lambda value: [
+                ("decision-key-id", genuine_signer.key_id.encode()), impostor.headers(value)[1]],
+            "signature of another value": lambda value: genuine_signer.headers(value + b" "),
+        }  # fmt: skip
+        for name, sign in forgeries.items():
+            reply, _ = asyncio.run(answer(sign))
+            assert reply.status == 504, f"{name}: {reply.status} {reply.body!r}"
+        reply, decision = asyncio.run(answer(genuine_signer.headers))
+        assert reply.status == 200, reply.body
+        assert reply.json()["transaction_id"] == decision["transaction_id"]
+        assert reply.json()["action"] == "approve"
+        assert http("GET", f"{gateway.url}/healthz").json()["unverified_decisions"] == len(forgeries)
+    finally:
+        gateway.stop()
+
+
 def test_rest_answers_502_when_the_worker_dead_letters_the_message(rig: Rig) -> None:
     """A gateway signing with a key the worker does not know: the worker dead-letters
     every message as bad_signature, and the gateway says so at once instead of a 504."""

@@ -33,7 +33,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from app.settings import Settings
 from app.topics import ensure_topics, topic_partitions
-from tests.factories import iso, rules_doc
+from tests.factories import decision_key_env, iso, rules_doc
 from tools import stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,6 +199,7 @@ def worker_env(
         FRAUD_RATE_USER_PER_S="1000",
         FRAUD_RATE_USER_BURST="1000",
         PYTHONUNBUFFERED="1",
+        **decision_key_env(),  # workers sign decisions; gateways and collectors verify them
         **topics.env(),
     )
     env.update(extra)

@@ -201,7 +201,9 @@ def test_openapi_document_follows_the_contract() -> None:
     assert set(schemas["Transaction"]["properties"]) == set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS)
     assert schemas["Decision"]["properties"]["action"]["enum"] == list(ACTIONS)
     assert set(ERROR_CODES) | {"internal_error", "rate_limited"} <= set(schemas["ErrorDetail"]["properties"]["code"]["enum"])
-    assert {"/v1/transactions", "/v1/review/decisions", "/healthz", "/openapi.json", "/review"} <= set(doc["paths"])
+    assert {"/v1/transactions", "/v1/review/decisions", "/v1/keys", "/healthz", "/openapi.json", "/review"} <= set(
+        doc["paths"]
+    )
     refs = {ref.split("/")[-1] for ref in _refs(doc)}
     assert refs <= set(schemas), refs - set(schemas)
 

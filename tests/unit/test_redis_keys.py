@@ -119,12 +119,28 @@ def test_quality_keys_byte_exact() -> None:
 def test_every_key_builder_is_pinned_here() -> None:
     """A builder added to app/redis_keys.py gets its literal key tested in this file."""
     tested = {
-        "GATEWAY_NAMESPACE", "MATERIALIZE_META_KEY", "QUALITY_PREFIX", "client_bucket_key", "content_hash",
+        "ACL_COMMANDS", "ACL_KEY_PATTERNS", "GATEWAY_NAMESPACE", "MATERIALIZE_META_KEY", "QUALITY_PREFIX", "client_bucket_key", "content_hash",
         "decision_hash_key", "decision_id_key", "decision_keys", "gateway_bucket_ids", "merchant_key", "profile_key",
         "quality_decided_key", "quality_joined_at_key", "quality_joined_key", "quality_label_key", "quality_prefix",
         "quality_served_key", "signature_key", "user_bucket_key", "velocity_key",
     }  # fmt: skip
     assert set(redis_keys.__all__) == tested
+
+
+def test_acl_patterns_are_pinned_and_cover_each_roles_keys() -> None:
+    """The Redis users' key patterns (SECURITY.md, *Redis users*), literally."""
+    from fnmatch import fnmatchcase
+
+    assert redis_keys.ACL_KEY_PATTERNS == {
+        "worker": ("%R~fp:{u:*}:profile", "%R~fp:{m:*}:risk", "%R~fp:meta", "~fp:{u:*}:vel", "~fp:dec:*",
+                   "~fp:rl:*", "~fp:sig:*", "~quality:*"),
+        "gateway": ("~fp:rl:{c:gw:*}", "~fp:rl:{u:gw:*}"),
+        "materialize": ("~fp:{u:*}:profile", "~fp:{m:*}:risk", "~fp:{u:*}:vel", "~fp:meta"),
+    }  # fmt: skip
+    gateway = [p.lstrip("~") for p in redis_keys.ACL_KEY_PATTERNS["gateway"]]
+    for key in (client_bucket_key("gw:acme"), user_bucket_key("gw:u-1")):
+        assert any(fnmatchcase(key, p) for p in gateway), key
+    assert not any(fnmatchcase(client_bucket_key("pos-eu-1"), p) for p in gateway)
 
 
 def test_the_stages_use_the_key_module() -> None:

@@ -96,7 +96,9 @@ class Producer:
     async def begin_transaction(self) -> None:
         self._sent, self._offsets = [], {}
 
-    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None = None, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
         self._sent.append((topic, key, value))
 
     async def send_offsets_to_transaction(self, offsets: dict[Any, int], group_id: str) -> None:

@@ -722,10 +722,10 @@ def test_records_are_grouped_by_the_partition_they_came_from(world: World, ensem
 
     assert sorted(grouped) == [0, 1, 2]
     for partition, records in grouped.items():
-        ids = {orjson.loads(v)["transaction_id"] for t, _, v in records if t == "d"}
+        ids = {orjson.loads(v)["transaction_id"] for t, _, v, _ in records if t == "d"}
         assert ids == {orjson.loads(m.value)["transaction_id"] for m in batch[:6] if m.partition == partition}
-    assert [t for t, _, _ in grouped[2]].count("dlq") == 1  # the bad record's dead letter stays with its partition
-    assert [t for t, _, _ in grouped[0]].count("m") == 1  # the batch's monitoring record, once
+    assert [t for t, _, _, _ in grouped[2]].count("dlq") == 1  # the bad record's dead letter stays with its partition
+    assert [t for t, _, _, _ in grouped[0]].count("m") == 1  # the batch's monitoring record, once
     assert sum(len(r) for r in grouped.values()) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1
 
 
