@@ -35,9 +35,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -47,6 +48,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from app.errors import StackError
+from app.settings import Settings
+from app.topics import ensure_topics, kafka_auth
+from tools import kafka_acls, kafka_secure
 
 __all__ = [
     "DEFAULT_BROKER_PORT",
@@ -312,12 +316,16 @@ def wait_broker_ready(
     pid: int | None = None,
     *,
     log_path: Path | None = None,
+    client: Mapping[str, Any] | None = None,
 ) -> None:
-    """Block until the broker at ``bootstrap`` answers a Metadata (list topics) request."""
+    """Block until the broker at ``bootstrap`` answers a Metadata (list topics) request.
+
+    ``client``: aiokafka connection options (TLS, SASL) for a secure broker.
+    """
     _poll(
         "broker",
         bootstrap,
-        lambda limit: _run_sync(_list_topics(bootstrap, limit)),
+        lambda limit: _run_sync(_list_topics(bootstrap, limit, client or {})),
         timeout,
         pid,
         log_path,
@@ -379,11 +387,12 @@ def _with_log(message: str, log_path: Path | None) -> str:
     return f"{message}\n--- last {len(lines)} lines of {log_path} ---\n" + "\n".join(lines)
 
 
-async def _list_topics(bootstrap: str, timeout: float) -> None:
+async def _list_topics(bootstrap: str, timeout: float, client: Mapping[str, Any]) -> None:
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap,
         client_id="fraud-stack-probe",
         request_timeout_ms=max(100, int(timeout * 1000)),
+        **client,
     )
     try:
         with _quiet("aiokafka"):
@@ -434,7 +443,11 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def start_broker(
-    port: int | None = None, workdir: Path = DEFAULT_STATE_DIR, controller_port: int | None = None
+    port: int | None = None,
+    workdir: Path = DEFAULT_STATE_DIR,
+    controller_port: int | None = None,
+    *,
+    secure: bool = False,
 ) -> ServiceHandle:
     """Start Apache Kafka on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
 
@@ -442,6 +455,12 @@ def start_broker(
     None). ``workdir/kafka-logs`` is formatted on first use and kept: a restart
     finds its topics, offsets and transactions again. Logs to ``workdir/broker.log``.
     The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
+
+    ``secure``: SASL/SCRAM-SHA-512 over TLS, ACLs per role, and the project's
+    topics created by the super user (``tools/kafka_secure.py`` says where the
+    CA, certificate and passwords are; ``kafka_secure.client_env`` gives a
+    role's settings). Off by default: the demo and most tests run on loopback,
+    where plaintext is faster to start and to read.
     """
     port = port or free_port()
     controller_port = controller_port or free_port()
@@ -451,18 +470,53 @@ def start_broker(
     workdir.mkdir(parents=True, exist_ok=True)
     classpath, java = _kafka_classpath(), _java_binary()
     config = workdir / "server.properties"
-    config.write_text(_broker_properties(port, controller_port, workdir / "kafka-logs"))
+    props = _broker_properties(port, controller_port, workdir / "kafka-logs")
+    format_args: list[str] = []
+    if secure:
+        kafka_secure.ensure_material(workdir)
+        props.update(kafka_secure.secure_properties(workdir, port, controller_port))
+        format_args = kafka_secure.format_scram_args(workdir)
+    _write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
     log4j = workdir / "broker-log4j.properties"
     log4j.write_text(_BROKER_LOG4J)
     jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
            f"-Dlog4j.configuration=file:{log4j}", "-cp", classpath]  # fmt: skip
     if not (workdir / "kafka-logs" / "meta.properties").exists():
-        _format_log_dir(jvm, config, workdir / "broker.log")
+        _format_log_dir(jvm, config, workdir / "broker.log", format_args)
     handle = _spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
-    return _ready_or_stopped(handle, wait_broker_ready)
+    if not secure:
+        return _ready_or_stopped(handle, wait_broker_ready)
+    admin = kafka_secure.client_settings(workdir, kafka_secure.ADMIN, handle.url)
+    wait: _Wait = partial(wait_broker_ready, client=kafka_auth(admin))
+    _ready_or_stopped(handle, wait)
+    try:
+        _run_sync(_secure_setup(admin))
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
 
 
-def _broker_properties(port: int, controller_port: int, log_dir: Path) -> str:
+async def _secure_setup(admin_settings: Settings) -> None:
+    """As the super user: the project's topics, then every role's ACLs."""
+    await ensure_topics(admin_settings, wait_s=30.0)
+    admin = AIOKafkaAdminClient(bootstrap_servers=admin_settings.kafka_bootstrap, **kafka_auth(admin_settings))
+    await admin.start()
+    try:
+        await kafka_acls.create_acls(admin, kafka_acls.acls(admin_settings))
+    finally:
+        await admin.close()
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by the owner only (it may hold passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    path.chmod(0o600)
+
+
+def _broker_properties(port: int, controller_port: int, log_dir: Path) -> dict[str, str]:
     props = {
         **BROKER_CONFIG,
         "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
@@ -470,14 +524,16 @@ def _broker_properties(port: int, controller_port: int, log_dir: Path) -> str:
         "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
         "log.dirs": str(log_dir),
     }
-    return "".join(f"{key}={value}\n" for key, value in props.items())
+    return props
 
 
-def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path) -> None:
-    """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters)."""
+def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
+    """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
+    ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
+    are never written to the log)."""
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     result = subprocess.run(
-        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     with log_path.open("a") as log:
