@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from app.settings import Settings
 
-__all__ = ["ROLES", "Acl", "Grant", "acl_table", "acls", "create_acls", "kafka_acls_commands"]
+__all__ = ["ROLES", "Acl", "Grant", "acl_table", "acls", "create_acls", "kafka_acls_commands", "tally_repartition_topic"]
 
 ResourceType = Literal["topic", "group", "transactional-id"]
 Pattern = Literal["literal", "prefixed"]
@@ -75,6 +75,11 @@ def _write(*topics: str) -> Grant:
     return Grant("topic", topics, ("Write", "Describe"))
 
 
+def tally_repartition_topic(settings: Settings) -> str:
+    """The topic faust declares for ``agents.tally``'s ``group_by``: ``<agent>-<source>-<name>-repartition``."""
+    return f"agents.tally.tally_labels-{settings.topic_labels}-labels-by-merchant-repartition"
+
+
 def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
     s = settings
@@ -99,7 +104,8 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         "payment-client": (every_topic, *payment_client),
         "scoring-worker": (
             every_topic,
-            _read(s.topic_transactions),
+            # `labels` feeds the worker's merchant tally (agents/tally.py).
+            _read(s.topic_transactions, s.topic_labels),
             _write(s.topic_decisions, s.topic_dlq, s.topic_feedback, s.topic_monitoring),
             # app/transactional.py: one transactional producer per input partition.
             Grant("transactional-id", (f"{s.app_id}-score-",), ("Write", "Describe"), "prefixed"),
@@ -108,6 +114,9 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             # leader topic), all named ``<app_id>-...``.
             Grant("group", (s.app_id,), ("Read", "Describe")),
             Grant("topic", (f"{s.app_id}-",), ("Create", "Read", "Write", "Describe"), "prefixed"),
+            # The merchant tally's group_by: faust names a repartition topic
+            # after the agent (agents/tally.py), not after the app.
+            Grant("topic", (tally_repartition_topic(s),), ("Create", "Read", "Write", "Describe")),
         ),
         "feedback-worker": (
             every_topic,
