@@ -472,6 +472,9 @@ def start_broker(
     config = workdir / "server.properties"
     props = _broker_properties(port, controller_port, workdir / "kafka-logs")
     format_args: list[str] = []
+    formatted = (workdir / "kafka-logs" / "meta.properties").exists()
+    if secure and formatted and not kafka_secure.password_file(workdir, kafka_secure.ADMIN).exists():
+        raise StackError(f"{workdir} holds a plaintext broker's log dir (no SCRAM users): use another state dir")
     if secure:
         kafka_secure.ensure_material(workdir)
         props.update(kafka_secure.secure_properties(workdir, port, controller_port))
@@ -481,7 +484,7 @@ def start_broker(
     log4j.write_text(_BROKER_LOG4J)
     jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
            f"-Dlog4j.configuration=file:{log4j}", "-cp", classpath]  # fmt: skip
-    if not (workdir / "kafka-logs" / "meta.properties").exists():
+    if not formatted:
         _format_log_dir(jvm, config, workdir / "broker.log", format_args)
     handle = _spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
     if not secure:
@@ -631,41 +634,63 @@ def stack_up(
     *,
     broker_port: int = DEFAULT_BROKER_PORT,
     redis_port: int = DEFAULT_REDIS_PORT,
+    secure: bool = False,
 ) -> dict[str, str]:
     """Start the broker and Redis unless already up; return their ``KAFKA_BOOTSTRAP``/``REDIS_URL``.
 
     Idempotent: services whose PID files name live, ready processes are reused.
-    On failure, whatever this call started is stopped again.
+    On failure, whatever this call started is stopped again. ``secure``: the
+    broker with SASL/SCRAM over TLS and ACLs (:func:`start_broker`); the env then
+    also says how to reach it (TLS, CA file, mechanism), the user and password
+    file being each role's own.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     ports = {"broker": broker_port, "redis": redis_port}
     started: list[ServiceHandle] = []
     try:
-        env = {svc.env_var: _up(svc, state_dir, ports[svc.name], started) for svc in _SERVICES}
+        env = {svc.env_var: _up(svc, state_dir, ports[svc.name], started, secure) for svc in _SERVICES}
     except BaseException:
         for handle in started:
             handle.stop()
             _pid_path(state_dir, handle.name).unlink(missing_ok=True)
         raise
+    if secure:
+        client = kafka_secure.client_env(state_dir.resolve(), "", env["KAFKA_BOOTSTRAP"])
+        env.update({k: v for k, v in client.items() if k not in _PER_ROLE and k != "FRAUD_KAFKA_BOOTSTRAP"})
     _write_env(state_dir / "env", env)
     return env
 
 
-def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle]) -> str:
+#: Settings each role sets for itself on the secure stack.
+_PER_ROLE = ("FRAUD_KAFKA_SASL_USERNAME", "FRAUD_KAFKA_SASL_PASSWORD_FILE")
+
+
+def _wait_options(svc: _Service, state_dir: Path, secure: bool) -> dict[str, Any]:
+    """The readiness probe's connection options: the super user's on the secure broker."""
+    if svc.name != "broker" or not secure:
+        return {}
+    admin = kafka_secure.client_settings(state_dir.resolve(), kafka_secure.ADMIN, "")
+    return {"client": kafka_auth(admin)}
+
+
+def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle], secure: bool = False) -> str:
     external = os.environ.get(svc.env_var)
     if external:
-        svc.wait(external)
+        svc.wait(external, **_wait_options(svc, state_dir, secure))
         return external
     url = svc.url(port)
-    if _reuse(svc, state_dir, url):
+    if _reuse(svc, state_dir, url, secure):
         return url
-    handle = svc.start(port, state_dir)
+    if svc.name == "broker" and secure:
+        handle = start_broker(port, state_dir, controller_port=port + 1 if port else None, secure=True)
+    else:
+        handle = svc.start(port, state_dir)
     started.append(handle)
     _pid_path(state_dir, svc.name).write_text(f"{handle.pid}\n")
     return handle.url
 
 
-def _reuse(svc: _Service, state_dir: Path, url: str) -> bool:
+def _reuse(svc: _Service, state_dir: Path, url: str, secure: bool = False) -> bool:
     """Whether the process in ``svc``'s PID file is ours, alive and ready at ``url``."""
     pid_path = _pid_path(state_dir, svc.name)
     pid = _read_pid(pid_path)
@@ -676,7 +701,7 @@ def _reuse(svc: _Service, state_dir: Path, url: str) -> bool:
         return False
     log_path = state_dir / f"{svc.name}.log"
     try:
-        svc.wait(url, timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path)
+        svc.wait(url, timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path, **_wait_options(svc, state_dir, secure))
     except StackError:
         logger.warning("%s (pid %d) is not ready at %s; replacing it", svc.name, pid, url)
         ServiceHandle(svc.name, pid, url, log_path).stop()
@@ -717,13 +742,15 @@ def stack_status(
         pid = _read_pid(_pid_path(state_dir, svc.name))
         pid = pid if pid is not None and _runs(pid, svc.program) else None
         url = env.get(svc.env_var)
-        rows.append((svc.name, pid, url, url is not None and _is_ready(svc, url, pid)))
+        secure = "FRAUD_KAFKA_SASL_MECHANISM" in env
+        options = _wait_options(svc, state_dir, secure)
+        rows.append((svc.name, pid, url, url is not None and _is_ready(svc, url, pid, options)))
     return rows
 
 
-def _is_ready(svc: _Service, url: str, pid: int | None) -> bool:
+def _is_ready(svc: _Service, url: str, pid: int | None, options: Mapping[str, Any] | None = None) -> bool:
     try:
-        svc.wait(url, timeout=_ATTEMPT_TIMEOUT_S, pid=pid)
+        svc.wait(url, timeout=_ATTEMPT_TIMEOUT_S, pid=pid, **(options or {}))
     except StackError:
         return False
     return True
@@ -764,6 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m tools.stack", description=__doc__.splitlines()[0]
     )
     parser.add_argument("command", choices=("up", "down", "status"))
+    parser.add_argument("--secure", action="store_true", help="up: SASL/SCRAM over TLS, ACLs per role")
     parser.add_argument(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="PID, log and env files"
     )
@@ -771,18 +799,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Messages to stderr, so stdout of `up` stays fit for eval.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
+        if args.command == "up":
+            return _cmd_up(args.state_dir, secure=args.secure)
         return _COMMANDS[args.command](args.state_dir)
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
-def _cmd_up(state_dir: Path) -> int:
-    env = stack_up(state_dir)
+def _cmd_up(state_dir: Path, *, secure: bool = False) -> int:
+    env = stack_up(state_dir, secure=secure)
     print((state_dir / "env").read_text(), end="")
     logger.info(
         "stack up: %s (env in %s)", ", ".join(f"{k}={v}" for k, v in env.items()), state_dir / "env"
     )
+    if secure:
+        secrets_dir = kafka_secure.password_file(state_dir, kafka_secure.ADMIN).parent
+        logger.info(
+            "secure broker: each role sets FRAUD_KAFKA_SASL_USERNAME=<user> and "
+            "FRAUD_KAFKA_SASL_PASSWORD_FILE=%s/<user>.password (users: %s)",
+            secrets_dir, ", ".join(f"{role}={user}" for role, user in kafka_acls.ROLES.items()),
+        )  # fmt: skip
     return 0
 
 
