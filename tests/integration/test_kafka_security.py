@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import secrets
 import ssl
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,7 +33,8 @@ from app.settings import Settings
 from app.topics import kafka_auth
 from pipeline.auth import sign
 from tests.integration.workers import Topics, TxFactory, Workers, tx_msg, worker_env
-from tools import kafka_secure, stack
+from tools import kafka_acls, kafka_secure, stack
+from tools.kafka_acls import acls
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -205,3 +210,48 @@ def test_the_workdir_keeps_its_secrets_private_and_the_log_never_shows_them(secu
     assert (secure.workdir / "server.properties").stat().st_mode & 0o777 == 0o600
     assert (secure.workdir / "tls" / "broker.p12").stat().st_mode & 0o777 == 0o600
     assert not (secure.workdir / "tls" / "ca.key").exists()
+
+
+# --- the deploy script grants the same table ----------------------------------------------
+
+
+def test_the_deploy_script_grants_a_role_its_row_with_kafka_acls(secure: SecureBroker, tmp_path: Path) -> None:
+    """``deploy/kafka/acls.sh`` with Kafka's own ACL tool (``kafka.admin.AclCommand``
+    from the jars) as ``kafka-acls.sh``: a renamed analyst gets the analyst's row."""
+    config = tmp_path / "admin.properties"
+    password = kafka_secure.password_file(secure.workdir, kafka_secure.ADMIN).read_text().strip()
+    config.write_text(
+        "security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n"
+        "sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="admin" password="{password}";\n'
+        f"ssl.truststore.type=PEM\nssl.truststore.location={secure.workdir / 'tls' / 'ca.pem'}\n"
+    )
+    config.chmod(0o600)
+    tool = tmp_path / "kafka-acls.sh"
+    tool.write_text(
+        "#!/bin/sh\nexec java -Xmx128m -XX:TieredStopAtLevel=1 "
+        f"-Dlog4j.configuration=file:{secure.workdir / 'broker-log4j.properties'} "
+        f"-cp '{stack._kafka_classpath()}' kafka.admin.AclCommand \"$@\"\n"
+    )
+    tool.chmod(0o755)
+    env = {**os.environ, "KAFKA_ACLS": str(tool), "PYTHON": sys.executable}
+    script = stack.KAFKA_LIB_DIR.parents[1] / "deploy" / "kafka" / "acls.sh"
+    done = subprocess.run([str(script), secure.bootstrap, str(config), "--user", "analyst=analyst-b"],
+                          env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    listed = subprocess.run(
+        [str(tool), "--bootstrap-server", secure.bootstrap, "--command-config", str(config),
+         "--list", "--principal", "User:analyst-b"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    granted, resource = set(), None
+    for line in listed.stdout.splitlines():
+        if m := re.search(r"resourceType=(\w+), name=([^,]+), patternType=(\w+)", line):
+            resource = (m[1].lower().replace("_", "-"), m[2], m[3].lower())
+        elif (m := re.search(r"principal=User:analyst-b, host=\*, operation=(\w+), permissionType=ALLOW", line)):
+            assert resource is not None
+            granted.add((*resource, m[1].replace("_", "").lower()))
+    want = {(a.resource, a.name, a.pattern, a.operation.lower())
+            for a in acls(DEFAULTS, {**kafka_acls.ROLES, "analyst": "analyst-b"}) if a.principal == "User:analyst-b"}  # fmt: skip
+    assert granted == want
