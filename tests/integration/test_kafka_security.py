@@ -157,6 +157,29 @@ def test_a_scoring_worker_decides_a_signed_transaction_over_sasl_ssl(
         workers.stop_all()
 
 
+def test_a_feedback_worker_runs_on_its_own_credentials(
+    secure: SecureBroker, redis_url: str, trained_registry: Path, tmp_path: Path
+) -> None:
+    """``--role feedback`` as ``feedback``: its group, its faust topics, ``feedback``
+    and ``labels`` in; no authorization error while it consumes a label."""
+    env = worker_env(
+        bootstrap=secure.bootstrap, redis_url=redis_url, topics=TOPICS, registry=trained_registry,
+        workdir=tmp_path, app_id=DEFAULTS.app_id, partitions=DEFAULTS.partitions,
+        FRAUD_WORKER_ROLE="feedback", **secure.env("feedback"),
+    )  # fmt: skip
+    workers = Workers(tmp_path, env)
+    try:
+        worker = workers.start()
+        asyncio.run(worker.wait_for_log("Ready", 120))
+        label = orjson.dumps({"transaction_id": "t-secure-fb-1", "label": "legit", "source": "analyst"})
+        asyncio.run(_produce(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_labels, label))
+        time.sleep(5)
+        assert worker.alive(), worker.log()
+        assert "AuthorizationFailed" not in worker.text(), worker.log()
+    finally:
+        workers.stop_all()
+
+
 # --- each role is refused what its row does not grant --------------------------------------
 
 
