@@ -17,6 +17,10 @@ version), run by the machine's Java 17+ as one process acting as broker and
 KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
 formatted on first start; topic data survives a restart of the broker, and
 retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).
+
+``up --secure`` (``start_broker(secure=True)``) runs the broker with TLS,
+SASL/SCRAM-SHA-512 users per role and ACLs (``tools/kafka_secure.py``,
+``tools/kafka_acls.py``, SECURITY.md); the default stays plaintext on loopback.
 """
 
 from __future__ import annotations
