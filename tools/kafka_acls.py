@@ -126,10 +126,11 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             Grant("topic", (f"{feedback_app}-",), ("Create", "Read", "Write", "Describe"), "prefixed"),
         ),
         "analyst": (every_topic, *analyst),
-        # The gateway submits transactions and reads their decisions (its reply
-        # reader assigns partitions itself: no group), and serves the review
-        # page, which labels decisions.
-        "gateway": (every_topic, *payment_client, *analyst),
+        # The gateway submits transactions; its reply reader (partitions assigned
+        # by hand: no group) reads `decisions` and `transactions.dlq` (a
+        # dead-lettered request answers 502: gateway/replies.py). Its review
+        # page reads `feedback` and `labels` (gateway/review.py) and writes labels.
+        "gateway": (every_topic, *payment_client, *analyst, _read(s.topic_dlq, s.topic_labels)),
     }
 
 

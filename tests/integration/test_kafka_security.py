@@ -180,6 +180,41 @@ def test_a_feedback_worker_runs_on_its_own_credentials(
         workers.stop_all()
 
 
+def test_the_gateway_decides_a_rest_call_on_its_own_credentials(
+    secure: SecureBroker, redis_url: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+) -> None:
+    """The REST gateway as ``gateway`` submits, the worker as ``scoring`` decides, the
+    gateway's reply reader (no consumer group) brings the decision back."""
+    from tests.integration.test_gateway import GatewayProc, http, new_key, write_keys
+
+    api_key = new_key()
+    producers = write_keys(tmp_path / "producers.json", gateway=new_key())
+    base = worker_env(
+        bootstrap=secure.bootstrap, redis_url=redis_url, topics=TOPICS, registry=trained_registry,
+        workdir=tmp_path, app_id=DEFAULTS.app_id, partitions=DEFAULTS.partitions,
+        FRAUD_ALLOW_UNSIGNED="false", FRAUD_CLIENT_KEYS_FILE=str(producers),
+    )  # fmt: skip
+    workers = Workers(tmp_path, {**base, **secure.env("scoring"), "FRAUD_WORKER_ROLE": "score"})
+    gateway_env = {
+        **base, **secure.env("gateway"),
+        "FRAUD_GATEWAY_KEYS_FILE": str(write_keys(tmp_path / "api.json", acme=api_key)),
+        "FRAUD_GATEWAY_TIMEOUT_S": "20",
+    }  # fmt: skip
+    gateway = GatewayProc(gateway_env, tmp_path / "gateway.log")
+    try:
+        worker = workers.start()
+        gateway.wait_ready(120)
+        asyncio.run(worker.wait_for_log("Ready", 120))
+        doc = TxFactory(sim_frame, f"t-secure-gw-{uuid.uuid4().hex[:6]}")(currency="USD")
+        reply = http("POST", f"{gateway.url}/v1/transactions", doc, api_key, timeout=30)
+        assert reply.status == 200, f"{reply.status} {reply.body!r}\n{gateway.log()}\n{workers.logs()}"
+        assert reply.json()["transaction_id"] == doc["transaction_id"]
+        assert "AuthorizationFailed" not in gateway.log_path.read_text(), gateway.log()
+    finally:
+        gateway.stop()
+        workers.stop_all()
+
+
 # --- each role is refused what its row does not grant --------------------------------------
 
 

@@ -63,6 +63,10 @@ RIGHTS = [
     ("gateway", "Write", S.topic_transactions, True),
     ("gateway", "Read", S.topic_decisions, True),
     ("gateway", "Write", S.topic_labels, True),
+    ("gateway", "Read", S.topic_dlq, True),
+    ("gateway", "Read", S.topic_feedback, True),
+    ("gateway", "Read", S.topic_labels, True),
+    ("gateway", "Write", S.topic_feedback, False),
     ("gateway", "Write", S.topic_decisions, False),
     ("gateway", "Read", S.topic_transactions, False),
 ]
