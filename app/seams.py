@@ -28,6 +28,8 @@ The seams:
   (the lag metric's fallback when faust commits).
 - :func:`cluster_metadata`: aiokafka's ``AIOKafkaConsumer._client`` and
   ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
+- :func:`admin_request`: aiokafka's ``AIOKafkaAdminClient._send_request``
+  (CreateAcls has a request class but no public admin method).
 - :func:`send_raw`: faust's transport ``Producer.send``, called with its six
   positional parameters (public, but positional: a reordering would swap
   fields silently).
@@ -47,6 +49,7 @@ from aiokafka.structs import TopicPartition
 
 __all__ = [
     "ReadOffsets",
+    "admin_request",
     "aiokafka_partition_state",
     "cluster_metadata",
     "consumer_flowing",
@@ -285,6 +288,18 @@ async def cluster_metadata(consumer: Any) -> Any:
 
 
 # --- producing ------------------------------------------------------------------------------------
+
+
+async def admin_request(admin: Any, request: Any) -> Any:
+    """Send a request the admin client has no public method for (CreateAcls).
+
+    Upstream: aiokafka 0.14.0, ``aiokafka.admin.AIOKafkaAdminClient._send_request``
+    (the helper every public admin method uses: picks a broker, sends, returns
+    the response). aiokafka has ``CreateAclsRequest`` in its protocol but no
+    ``create_acls``; the secure local stack needs it to apply its ACL table.
+    """
+    response = await admin._send_request(request)
+    return response
 
 
 async def send_raw(producer: Any, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:

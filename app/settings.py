@@ -72,8 +72,15 @@ class Settings(BaseSettings):
 
     kafka_sasl_username: str | None = None
     kafka_sasl_password: SecretStr | None = None
+    kafka_sasl_password_file: Path | None = None
+    """A file holding the SASL password (used when ``kafka_sasl_password`` is unset):
+    the secure local stack writes one per role (``tools/stack.py``)."""
+
     kafka_ssl: bool = False
-    """Use TLS (system CA bundle) for the broker connection."""
+    """Use TLS for the broker connection (CA: ``kafka_ssl_cafile``, else the system bundle)."""
+
+    kafka_ssl_cafile: Path | None = None
+    """PEM file of the CA(s) that signed the broker's certificate (a private CA)."""
 
     # --- producers: authentication and rate limits ------------------------
     client_keys_file: Path | None = None

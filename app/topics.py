@@ -68,17 +68,25 @@ def kafka_auth(settings: Settings) -> dict[str, object]:
     if settings.kafka_ssl:
         import ssl
 
-        opts["ssl_context"] = ssl.create_default_context()
+        cafile = str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None
+        opts["ssl_context"] = ssl.create_default_context(cafile=cafile)
     if settings.kafka_sasl_mechanism:
         opts["security_protocol"] = "SASL_SSL" if settings.kafka_ssl else "SASL_PLAINTEXT"
         opts["sasl_mechanism"] = settings.kafka_sasl_mechanism
         opts["sasl_plain_username"] = settings.kafka_sasl_username
-        opts["sasl_plain_password"] = (
-            settings.kafka_sasl_password.get_secret_value() if settings.kafka_sasl_password else None
-        )
+        opts["sasl_plain_password"] = _sasl_password(settings)
     elif settings.kafka_ssl:
         opts["security_protocol"] = "SSL"
     return opts
+
+
+def _sasl_password(settings: Settings) -> str | None:
+    """``kafka_sasl_password``, else the first line of ``kafka_sasl_password_file``."""
+    if settings.kafka_sasl_password is not None:
+        return settings.kafka_sasl_password.get_secret_value()
+    if settings.kafka_sasl_password_file is not None:
+        return settings.kafka_sasl_password_file.read_text().strip()
+    return None
 
 
 def producer_options(settings: Settings) -> dict[str, object]:

@@ -421,7 +421,7 @@ def cmd_decision_key(args: argparse.Namespace) -> int:
 def cmd_stack(args: argparse.Namespace) -> int:
     from tools import stack
 
-    return stack.main([args.action])
+    return stack.main([args.action, *(["--secure"] if args.secure else [])])
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -591,6 +591,8 @@ def _add_setup_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
     p = sub.add_parser("stack", help="local broker and Redis")
     p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--secure", action="store_true",
+                   help="up: SASL/SCRAM over TLS with per-role ACLs (SECURITY.md)")  # fmt: skip
     p.set_defaults(func=cmd_stack)
 
 

@@ -17,6 +17,10 @@ version), run by the machine's Java 17+ as one process acting as broker and
 KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
 formatted on first start; topic data survives a restart of the broker, and
 retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).
+
+``up --secure`` (``start_broker(secure=True)``) runs the broker with TLS,
+SASL/SCRAM-SHA-512 users per role and ACLs (``tools/kafka_secure.py``,
+``tools/kafka_acls.py``, SECURITY.md); the default stays plaintext on loopback.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -49,6 +54,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from app.errors import StackError
+from app.settings import Settings
+from app.topics import ensure_topics, kafka_auth
+from tools import kafka_acls, kafka_secure
 
 __all__ = [
     "DEFAULT_BROKER_PORT",
@@ -314,12 +322,16 @@ def wait_broker_ready(
     pid: int | None = None,
     *,
     log_path: Path | None = None,
+    client: Mapping[str, Any] | None = None,
 ) -> None:
-    """Block until the broker at ``bootstrap`` answers a Metadata (list topics) request."""
+    """Block until the broker at ``bootstrap`` answers a Metadata (list topics) request.
+
+    ``client``: aiokafka connection options (TLS, SASL) for a secure broker.
+    """
     _poll(
         "broker",
         bootstrap,
-        lambda limit: _run_sync(_list_topics(bootstrap, limit)),
+        lambda limit: _run_sync(_list_topics(bootstrap, limit, client or {})),
         timeout,
         pid,
         log_path,
@@ -381,11 +393,12 @@ def _with_log(message: str, log_path: Path | None) -> str:
     return f"{message}\n--- last {len(lines)} lines of {log_path} ---\n" + "\n".join(lines)
 
 
-async def _list_topics(bootstrap: str, timeout: float) -> None:
+async def _list_topics(bootstrap: str, timeout: float, client: Mapping[str, Any]) -> None:
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap,
         client_id="fraud-stack-probe",
         request_timeout_ms=max(100, int(timeout * 1000)),
+        **client,
     )
     try:
         with _quiet("aiokafka"):
@@ -436,7 +449,11 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def start_broker(
-    port: int | None = None, workdir: Path = DEFAULT_STATE_DIR, controller_port: int | None = None
+    port: int | None = None,
+    workdir: Path = DEFAULT_STATE_DIR,
+    controller_port: int | None = None,
+    *,
+    secure: bool = False,
 ) -> ServiceHandle:
     """Start Apache Kafka on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
 
@@ -444,6 +461,12 @@ def start_broker(
     None). ``workdir/kafka-logs`` is formatted on first use and kept: a restart
     finds its topics, offsets and transactions again. Logs to ``workdir/broker.log``.
     The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
+
+    ``secure``: SASL/SCRAM-SHA-512 over TLS, ACLs per role, and the project's
+    topics created by the super user (``tools/kafka_secure.py`` says where the
+    CA, certificate and passwords are; ``kafka_secure.client_env`` gives a
+    role's settings). Off by default: the demo and most tests run on loopback,
+    where plaintext is faster to start and to read.
     """
     port = port or free_port()
     controller_port = controller_port or free_port()
@@ -453,18 +476,56 @@ def start_broker(
     workdir.mkdir(parents=True, exist_ok=True)
     classpath, java = _kafka_classpath(), _java_binary()
     config = workdir / "server.properties"
-    config.write_text(_broker_properties(port, controller_port, workdir / "kafka-logs"))
+    props = _broker_properties(port, controller_port, workdir / "kafka-logs")
+    format_args: list[str] = []
+    formatted = (workdir / "kafka-logs" / "meta.properties").exists()
+    if secure and formatted and not kafka_secure.password_file(workdir, kafka_secure.ADMIN).exists():
+        raise StackError(f"{workdir} holds a plaintext broker's log dir (no SCRAM users): use another state dir")
+    if secure:
+        kafka_secure.ensure_material(workdir)
+        props.update(kafka_secure.secure_properties(workdir, port, controller_port))
+        format_args = kafka_secure.format_scram_args(workdir)
+    _write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
     log4j = workdir / "broker-log4j.properties"
     log4j.write_text(_BROKER_LOG4J)
     jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
            f"-Dlog4j.configuration=file:{log4j}", "-cp", classpath]  # fmt: skip
-    if not (workdir / "kafka-logs" / "meta.properties").exists():
-        _format_log_dir(jvm, config, workdir / "broker.log")
+    if not formatted:
+        _format_log_dir(jvm, config, workdir / "broker.log", format_args)
     handle = _spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
-    return _ready_or_stopped(handle, wait_broker_ready)
+    if not secure:
+        return _ready_or_stopped(handle, wait_broker_ready)
+    admin = kafka_secure.client_settings(workdir, kafka_secure.ADMIN, handle.url)
+    wait: _Wait = partial(wait_broker_ready, client=kafka_auth(admin))
+    _ready_or_stopped(handle, wait)
+    try:
+        _run_sync(_secure_setup(admin))
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
 
 
-def _broker_properties(port: int, controller_port: int, log_dir: Path) -> str:
+async def _secure_setup(admin_settings: Settings) -> None:
+    """As the super user: the project's topics, then every role's ACLs."""
+    await ensure_topics(admin_settings, wait_s=30.0)
+    admin = AIOKafkaAdminClient(bootstrap_servers=admin_settings.kafka_bootstrap, **kafka_auth(admin_settings))
+    await admin.start()
+    try:
+        await kafka_acls.create_acls(admin, kafka_acls.acls(admin_settings))
+    finally:
+        await admin.close()
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by the owner only (it may hold passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    path.chmod(0o600)
+
+
+def _broker_properties(port: int, controller_port: int, log_dir: Path) -> dict[str, str]:
     props = {
         **BROKER_CONFIG,
         "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
@@ -472,14 +533,16 @@ def _broker_properties(port: int, controller_port: int, log_dir: Path) -> str:
         "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
         "log.dirs": str(log_dir),
     }
-    return "".join(f"{key}={value}\n" for key, value in props.items())
+    return props
 
 
-def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path) -> None:
-    """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters)."""
+def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
+    """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
+    ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
+    are never written to the log)."""
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     result = subprocess.run(
-        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     with log_path.open("a") as log:
@@ -620,41 +683,63 @@ def stack_up(
     *,
     broker_port: int = DEFAULT_BROKER_PORT,
     redis_port: int = DEFAULT_REDIS_PORT,
+    secure: bool = False,
 ) -> dict[str, str]:
     """Start the broker and Redis unless already up; return their ``KAFKA_BOOTSTRAP``/``REDIS_URL``.
 
     Idempotent: services whose PID files name live, ready processes are reused.
-    On failure, whatever this call started is stopped again.
+    On failure, whatever this call started is stopped again. ``secure``: the
+    broker with SASL/SCRAM over TLS and ACLs (:func:`start_broker`); the env then
+    also says how to reach it (TLS, CA file, mechanism), the user and password
+    file being each role's own.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     ports = {"broker": broker_port, "redis": redis_port}
     started: list[ServiceHandle] = []
     try:
-        env = {svc.env_var: _up(svc, state_dir, ports[svc.name], started) for svc in _SERVICES}
+        env = {svc.env_var: _up(svc, state_dir, ports[svc.name], started, secure) for svc in _SERVICES}
     except BaseException:
         for handle in started:
             handle.stop()
             _pid_path(state_dir, handle.name).unlink(missing_ok=True)
         raise
+    if secure:
+        client = kafka_secure.client_env(state_dir.resolve(), "", env["KAFKA_BOOTSTRAP"])
+        env.update({k: v for k, v in client.items() if k not in _PER_ROLE and k != "FRAUD_KAFKA_BOOTSTRAP"})
     _write_env(state_dir / "env", env)
     return env
 
 
-def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle]) -> str:
+#: Settings each role sets for itself on the secure stack.
+_PER_ROLE = ("FRAUD_KAFKA_SASL_USERNAME", "FRAUD_KAFKA_SASL_PASSWORD_FILE")
+
+
+def _wait_options(svc: _Service, state_dir: Path, secure: bool) -> dict[str, Any]:
+    """The readiness probe's connection options: the super user's on the secure broker."""
+    if svc.name != "broker" or not secure:
+        return {}
+    admin = kafka_secure.client_settings(state_dir.resolve(), kafka_secure.ADMIN, "")
+    return {"client": kafka_auth(admin)}
+
+
+def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle], secure: bool = False) -> str:
     external = os.environ.get(svc.env_var)
     if external:
-        svc.wait(external)
+        svc.wait(external, **_wait_options(svc, state_dir, secure))
         return external
     url = svc.url(port)
-    if _reuse(svc, state_dir, url):
+    if _reuse(svc, state_dir, url, secure):
         return url
-    handle = svc.start(port, state_dir)
+    if svc.name == "broker" and secure:
+        handle = start_broker(port, state_dir, controller_port=port + 1 if port else None, secure=True)
+    else:
+        handle = svc.start(port, state_dir)
     started.append(handle)
     _pid_path(state_dir, svc.name).write_text(f"{handle.pid}\n")
     return handle.url
 
 
-def _reuse(svc: _Service, state_dir: Path, url: str) -> bool:
+def _reuse(svc: _Service, state_dir: Path, url: str, secure: bool = False) -> bool:
     """Whether the process in ``svc``'s PID file is ours, alive and ready at ``url``."""
     pid_path = _pid_path(state_dir, svc.name)
     pid = _read_pid(pid_path)
@@ -665,7 +750,7 @@ def _reuse(svc: _Service, state_dir: Path, url: str) -> bool:
         return False
     log_path = state_dir / f"{svc.name}.log"
     try:
-        svc.wait(url, timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path)
+        svc.wait(url, timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path, **_wait_options(svc, state_dir, secure))
     except StackError:
         logger.warning("%s (pid %d) is not ready at %s; replacing it", svc.name, pid, url)
         ServiceHandle(svc.name, pid, url, log_path).stop()
@@ -706,13 +791,15 @@ def stack_status(
         pid = _read_pid(_pid_path(state_dir, svc.name))
         pid = pid if pid is not None and _runs(pid, svc.program) else None
         url = env.get(svc.env_var)
-        rows.append((svc.name, pid, url, url is not None and _is_ready(svc, url, pid)))
+        secure = "FRAUD_KAFKA_SASL_MECHANISM" in env
+        options = _wait_options(svc, state_dir, secure)
+        rows.append((svc.name, pid, url, url is not None and _is_ready(svc, url, pid, options)))
     return rows
 
 
-def _is_ready(svc: _Service, url: str, pid: int | None) -> bool:
+def _is_ready(svc: _Service, url: str, pid: int | None, options: Mapping[str, Any] | None = None) -> bool:
     try:
-        svc.wait(url, timeout=_ATTEMPT_TIMEOUT_S, pid=pid)
+        svc.wait(url, timeout=_ATTEMPT_TIMEOUT_S, pid=pid, **(options or {}))
     except StackError:
         return False
     return True
@@ -753,6 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m tools.stack", description=__doc__.splitlines()[0]
     )
     parser.add_argument("command", choices=("up", "down", "status"))
+    parser.add_argument("--secure", action="store_true", help="up: SASL/SCRAM over TLS, ACLs per role")
     parser.add_argument(
         "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="PID, log and env files"
     )
@@ -760,18 +848,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Messages to stderr, so stdout of `up` stays fit for eval.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
+        if args.command == "up":
+            return _cmd_up(args.state_dir, secure=args.secure)
         return _COMMANDS[args.command](args.state_dir)
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
-def _cmd_up(state_dir: Path) -> int:
-    env = stack_up(state_dir)
+def _cmd_up(state_dir: Path, *, secure: bool = False) -> int:
+    env = stack_up(state_dir, secure=secure)
     print((state_dir / "env").read_text(), end="")
     logger.info(
         "stack up: %s (env in %s)", ", ".join(f"{k}={v}" for k, v in env.items()), state_dir / "env"
     )
+    if secure:
+        secrets_dir = kafka_secure.password_file(state_dir, kafka_secure.ADMIN).parent
+        logger.info(
+            "secure broker: each role sets FRAUD_KAFKA_SASL_USERNAME=<user> and "
+            "FRAUD_KAFKA_SASL_PASSWORD_FILE=%s/<user>.password (users: %s)",
+            secrets_dir, ", ".join(f"{role}={user}" for role, user in kafka_acls.ROLES.items()),
+        )  # fmt: skip
     return 0
 
 

@@ -278,3 +278,29 @@ def test_seams_load_faust_only_when_a_faust_seam_runs() -> None:
     code = "import sys, app.topics, app.seams; print('faust' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- admin_request --------------------------------------------------------------------------------
+
+
+def test_admin_request_is_the_helper_every_public_admin_method_uses() -> None:
+    """If aiokafka renames ``_send_request`` or grows a public ``create_acls``,
+    this fails: move the secure stack to the public method then."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.protocol.admin import CreateAclsRequest
+
+    assert not hasattr(AIOKafkaAdminClient, "create_acls")
+    params = list(inspect.signature(AIOKafkaAdminClient._send_request).parameters)
+    assert params[:2] == ["self", "request"]
+    assert "_send_request" in inspect.getsource(AIOKafkaAdminClient.describe_configs)  # public methods use it
+    assert CreateAclsRequest.API_KEY == 30  # Kafka's CreateAcls
+
+    sent: list[Any] = []
+
+    class Admin:
+        async def _send_request(self, request: Any) -> str:
+            sent.append(request)
+            return "response"
+
+    assert asyncio.run(seams.admin_request(Admin(), "req")) == "response"
+    assert sent == ["req"]
