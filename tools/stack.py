@@ -536,11 +536,24 @@ def _broker_properties(port: int, controller_port: int, log_dir: Path) -> dict[s
     return props
 
 
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a random UUID in URL-safe base64 (22 characters).
+
+    NOTE: never one starting with "-": the storage tool's argument parser would
+    read it as an option and fail the format (1 time in 64). Kafka's own
+    ``Uuid.randomUuid`` skips those for the same reason.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
     """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
     ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
     are never written to the log)."""
-    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    cluster_id = new_cluster_id()
     result = subprocess.run(
         [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,

@@ -164,3 +164,16 @@ def test_the_image_copies_every_package_the_project_installs() -> None:
     packages = {name.rstrip("*") for name in include}
     copied = set(re.findall(r"^COPY (\w+) \./\1$", (REPO / "Dockerfile").read_text(), re.M))
     assert packages <= copied, f"not copied into the image: {sorted(packages - copied)}"
+
+
+def test_a_new_cluster_id_never_reads_as_an_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A UUID whose base64 starts with "-" made the storage tool's format fail."""
+    import uuid
+
+    from tools import stack
+
+    dashed = uuid.UUID(bytes=b"\xfb" + bytes(15))  # base64 "-w..."
+    draws = iter([dashed, uuid.UUID(int=1)])
+    monkeypatch.setattr(stack.uuid, "uuid4", lambda: next(draws))
+    cluster_id = stack.new_cluster_id()
+    assert not cluster_id.startswith("-") and len(cluster_id) == 22
