@@ -103,7 +103,6 @@ class Runtime:
             merchant_tally=merchant_tally,
         )
 
-
     def reloader(self) -> Reloader:
         s = self.settings
         return Reloader(

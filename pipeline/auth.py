@@ -202,13 +202,7 @@ class ClientKeys(Mapping[str, bytes]):
     @classmethod
     def from_file(cls, path: Path) -> ClientKeys:
         """Read ``{"clients": {"<id>": "<hex or base64 key>", ...}}``."""
-        try:
-            doc: Any = orjson.loads(Path(path).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"client keys file {path}: {exc.strerror}") from None
-        except orjson.JSONDecodeError as exc:
-            # NOTE: `from None`: the exception holds the whole document, keys included.
-            raise ConfigError(f"client keys file {path}: not valid JSON (line {exc.lineno})") from None
+        doc = read_key_file(path, "client keys file")
         clients = doc.get("clients") if isinstance(doc, dict) else None
         if not isinstance(clients, dict):
             raise ConfigError(f'client keys file {path}: expected {{"clients": {{"<id>": "<key>", ...}}}}')
@@ -267,6 +261,17 @@ def _decode_key(client_id: object, text: object, source: str) -> bytes:
     # Error messages name the client and the source, never the key text.
     if not isinstance(text, str):
         raise ConfigError(f"{source}: the key of client {client_id!r:.70} must be a string")
+    try:
+        return key_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: the key of client {client_id!r:.70} is {exc}") from None
+
+
+def key_bytes(text: str) -> bytes:
+    """Key text as bytes: hex when made only of hex digit pairs, else base64
+    (standard or URL-safe, padding optional); a ``hex:`` or ``base64:`` prefix
+    forces the reading. Raises ValueError naming the reading, never the text.
+    Shared by producer keys and the decision-signing keys."""
     text = text.strip()
     kind, sep, rest = text.partition(":")
     if not sep or kind not in ("hex", "base64"):
@@ -277,7 +282,18 @@ def _decode_key(client_id: object, text: object, source: str) -> bytes:
         padded = rest.replace("-", "+").replace("_", "/") + "=" * (-len(rest) % 4)
         return base64.b64decode(padded, validate=True)
     except (ValueError, binascii.Error):
-        raise ConfigError(f"{source}: the key of client {client_id!r:.70} is not valid {kind}") from None
+        raise ValueError(f"not valid {kind}") from None
+
+
+def read_key_file(path: Path, what: str) -> Any:
+    """A JSON document of keys; errors name ``what`` and the file, never its content."""
+    try:
+        return orjson.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    except orjson.JSONDecodeError as exc:
+        # NOTE: `from None`: the exception holds the whole document, keys included.
+        raise ConfigError(f"{what} {path}: not valid JSON (line {exc.lineno})") from None
 
 
 # --- replay protection ------------------------------------------------------------

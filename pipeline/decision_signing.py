@@ -34,7 +34,6 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 from cryptography.exceptions import InvalidSignature
@@ -43,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from app.errors import ConfigError
 from app.settings import Settings
+from pipeline.auth import key_bytes, read_key_file
 
 __all__ = [
     "KEY_ID",
@@ -63,7 +63,6 @@ KEY_ID = "decision-key-id"
 SIGNATURE = "decision-signature"
 
 _KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
-_HEX_RE = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
 
 def _raw_public(public: Ed25519PublicKey) -> bytes:
@@ -157,12 +156,7 @@ class DecisionVerifier(Mapping[str, Ed25519PublicKey]):
     @classmethod
     def from_file(cls, path: Path) -> DecisionVerifier:
         """Read ``{"keys": [{"key_id": "...", "public_key": "<base64 raw 32 bytes>"}, ...]}``."""
-        try:
-            doc: Any = orjson.loads(Path(path).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"decision public keys file {path}: {exc.strerror}") from None
-        except orjson.JSONDecodeError as exc:
-            raise ConfigError(f"decision public keys file {path}: not valid JSON (line {exc.lineno})") from None
+        doc = read_key_file(path, "decision public keys file")
         entries = doc.get("keys") if isinstance(doc, dict) else None
         if not isinstance(entries, list):
             raise ConfigError(f'decision public keys file {path}: expected {{"keys": [{{"key_id": ..., "public_key": ...}}]}}')
@@ -223,14 +217,10 @@ def headers_of(record_headers: Iterable[tuple[str, bytes | None]] | None) -> dic
 
 
 def _decode(text: str, source: str, what: str) -> bytes:
-    text = text.strip()
     try:
-        if _HEX_RE.fullmatch(text) and len(text) == 64:
-            return bytes.fromhex(text)
-        padded = text.replace("-", "+").replace("_", "/") + "=" * (-len(text) % 4)
-        return base64.b64decode(padded, validate=True)
-    except (ValueError, binascii.Error):
-        raise ConfigError(f"{source}: the {what} is neither hex nor base64") from None
+        return key_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: the {what} is {exc}") from None
 
 
 def signer_from_settings(settings: Settings) -> DecisionSigner | None:

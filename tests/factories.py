@@ -4,8 +4,13 @@ Redis features, key partitioning. (Imported as ``tests.factories``.)"""
 from __future__ import annotations
 
 import functools
+import json
+import os
+import signal
+import subprocess
 import tempfile
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -130,3 +135,24 @@ def decision_key_files() -> tuple[Path, Path]:
 def decision_key_env() -> dict[str, str]:
     key, public = decision_key_files()
     return {"FRAUD_DECISION_SIGNING_KEY_FILE": str(key), "FRAUD_DECISION_PUBLIC_KEYS_FILE": str(public)}
+
+
+def write_keys(path: Path, **clients: str) -> Path:
+    """A producer or API keys file: ``{"clients": {id: key}}``."""
+    path.write_text(json.dumps({"clients": clients}))
+    return path
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex + uuid.uuid4().hex  # 32 bytes as hex
+
+
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM a process this test started, SIGKILL it after 15 s."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

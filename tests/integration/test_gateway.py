@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from workers import REPO, RULES, Topics, TxFactory, Workers, worker_env
 from app.contract import ACTIONS
 from app.topics import partitions_of
 from pipeline.labels import parse_label
+from tests.factories import new_key, stop_process, write_keys
 from tools import stack
 from tools.materialize import materialize
 
@@ -120,22 +120,7 @@ class GatewayProc:
         raise AssertionError(f"gateway not healthy after {timeout:.0f} s:\n{self.log()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def write_keys(path: Path, **clients: str) -> Path:
-    path.write_text(json.dumps({"clients": clients}))
-    return path
-
-
-def new_key() -> str:
-    return uuid.uuid4().hex + uuid.uuid4().hex  # 32 bytes as hex
+        stop_process(self.proc)
 
 
 @dataclass

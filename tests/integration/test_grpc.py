@@ -13,9 +13,6 @@ with REDIS_URL set) share, so the population's users may have spent theirs.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -43,6 +40,7 @@ from app.contract import ACTIONS
 from app.topics import partitions_of
 from gateway.grpc_codec import decision_dict, transaction_message
 from gateway.grpc_gen.fraud.v1 import fraud_pb2, fraud_pb2_grpc
+from tests.factories import new_key, stop_process, write_keys
 from tools import stack
 from tools.materialize import materialize
 
@@ -101,22 +99,7 @@ class GrpcGateway:
 
     def stop(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def write_keys(path: Path, **clients: str) -> Path:
-    path.write_text(json.dumps({"clients": clients}))
-    return path
-
-
-def new_key() -> str:
-    return uuid.uuid4().hex + uuid.uuid4().hex  # 32 bytes as hex
+        stop_process(self.proc)
 
 
 @dataclass

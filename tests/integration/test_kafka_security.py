@@ -185,7 +185,8 @@ def test_the_gateway_decides_a_rest_call_on_its_own_credentials(
 ) -> None:
     """The REST gateway as ``gateway`` submits, the worker as ``scoring`` decides, the
     gateway's reply reader (no consumer group) brings the decision back."""
-    from tests.integration.test_gateway import GatewayProc, http, new_key, write_keys
+    from tests.factories import new_key, write_keys
+    from tests.integration.test_gateway import GatewayProc, http
 
     api_key = new_key()
     producers = write_keys(tmp_path / "producers.json", gateway=new_key())
