@@ -219,10 +219,64 @@ def test_the_gateway_decides_a_rest_call_on_its_own_credentials(
 # --- each role is refused what its row does not grant --------------------------------------
 
 
-@pytest.mark.parametrize("topic", [DEFAULTS.topic_decisions, DEFAULTS.topic_labels])
-def test_a_payment_client_cannot_write_decisions_or_labels(secure: SecureBroker, topic: str) -> None:
+async def _end_offsets(secure: SecureBroker, topic: str) -> dict[int, int]:
+    """Every partition's end offset, read as the super user."""
+    opts = secure.opts(kafka_secure.ADMIN)
+    admin = AIOKafkaAdminClient(bootstrap_servers=secure.bootstrap, request_timeout_ms=10_000, **opts)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    tps = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+    assert tps, f"no partitions for {topic}: {described}"
+    consumer = AIOKafkaConsumer(bootstrap_servers=secure.bootstrap, group_id=None, request_timeout_ms=10_000, **opts)
+    await consumer.start()
+    try:
+        return {tp.partition: offset for tp, offset in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+#: (user, topic) writes that no row of the ACL table grants.
+REFUSED_WRITES = [
+    ("payments", DEFAULTS.topic_decisions),  # a forged approve
+    ("payments", DEFAULTS.topic_labels),  # poisoning the tally and retraining
+    ("analyst", DEFAULTS.topic_transactions),  # an analyst posing as a payment system
+    ("analyst", DEFAULTS.topic_decisions),
+    ("feedback", DEFAULTS.topic_decisions),
+]
+
+
+@pytest.mark.parametrize(("user", "topic"), REFUSED_WRITES, ids=[f"{u}->{t}" for u, t in REFUSED_WRITES])
+def test_a_role_cannot_write_what_its_row_does_not_grant_and_leaves_nothing(
+    secure: SecureBroker, user: str, topic: str
+) -> None:
+    """The broker's own TopicAuthorizationFailed, and the topic's end offsets do not move:
+    nothing was appended, not even an aborted record."""
+    before = asyncio.run(_end_offsets(secure, topic))
     with pytest.raises(TopicAuthorizationFailedError):
-        asyncio.run(_produce(secure.bootstrap, secure.opts("payments"), topic, b"{}"))
+        asyncio.run(_produce(secure.bootstrap, secure.opts(user), topic, b'{"action": "approve"}'))
+    assert asyncio.run(_end_offsets(secure, topic)) == before
+
+
+def test_a_payment_client_cannot_take_a_workers_transactional_id(secure: SecureBroker) -> None:
+    """Fencing a worker needs its transactional id: the payment client may not init one."""
+    from aiokafka.errors import TransactionalIdAuthorizationFailed
+
+    async def init() -> None:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=secure.bootstrap, transactional_id=f"{DEFAULTS.app_id}-score-{DEFAULTS.topic_transactions}-0",
+            request_timeout_ms=10_000, **secure.opts("payments"),
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(20):
+                await producer.start()
+        finally:
+            await producer.stop()
+
+    with pytest.raises(TransactionalIdAuthorizationFailed):
+        asyncio.run(init())
 
 
 def test_a_payment_client_cannot_read_feedback(secure: SecureBroker) -> None:
@@ -230,11 +284,86 @@ def test_a_payment_client_cannot_read_feedback(secure: SecureBroker) -> None:
         asyncio.run(_fetch(secure.bootstrap, secure.opts("payments"), DEFAULTS.topic_feedback))
 
 
-def test_the_analyst_writes_labels_but_not_decisions(secure: SecureBroker) -> None:
+def test_the_analyst_writes_labels(secure: SecureBroker) -> None:
+    before = asyncio.run(_end_offsets(secure, DEFAULTS.topic_labels))
     label = orjson.dumps({"transaction_id": "t-analyst-1", "label": "fraud", "source": "analyst"})
     asyncio.run(_produce(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_labels, label))
-    with pytest.raises(TopicAuthorizationFailedError):
-        asyncio.run(_produce(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_decisions, b"{}"))
+    assert sum(asyncio.run(_end_offsets(secure, DEFAULTS.topic_labels)).values()) == sum(before.values()) + 1
+
+
+# --- a decision only the workers' key could sign ------------------------------------------
+
+
+def test_the_load_generator_refuses_decisions_signed_with_a_wrong_key(secure: SecureBroker, tmp_path: Path) -> None:
+    """Someone holding the scoring worker's Kafka credentials but not its signing key
+    answers the load generator's transactions. Half get a genuinely signed decision;
+    the other half forged ones (unsigned, an impostor's signature under the genuine
+    key id, the genuine signature of other bytes). The load generator (as ``payments``)
+    counts only the genuine ones as decided and the rest as unverified."""
+    from pipeline.decision_signing import KEY_ID, DecisionSigner, DecisionVerifier, write_public_keys
+    from tools.loadgen import LoadConfig, run_load
+
+    genuine, impostor = DecisionSigner.generate(), DecisionSigner.generate()
+    public = tmp_path / "decision-public-keys.json"
+    write_public_keys(DecisionVerifier([genuine.public_key]), public)
+    forgeries: list[Any] = [
+        lambda value: [],
+        lambda value: [(KEY_ID, genuine.key_id.encode()), impostor.headers(value)[1]],
+        lambda value: genuine.headers(value + b" "),
+    ]
+    answered: dict[str, str] = {}
+
+    async def forger(ready: asyncio.Event, stop: asyncio.Event) -> None:
+        opts = secure.opts("scoring")
+        consumer = AIOKafkaConsumer(bootstrap_servers=secure.bootstrap, group_id=None, enable_auto_commit=False,
+                                    fetch_max_wait_ms=50, **opts)  # fmt: skip
+        producer = AIOKafkaProducer(bootstrap_servers=secure.bootstrap, **opts)
+        await consumer.start()
+        await producer.start()
+        try:
+            tps = [TopicPartition(DEFAULTS.topic_transactions, p) for p in range(DEFAULTS.partitions)]
+            consumer.assign(tps)
+            await consumer.seek_to_end(*tps)
+            for tp in tps:
+                await consumer.position(tp)
+            ready.set()
+            while not stop.is_set():
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    for r in records:
+                        tx = orjson.loads(r.value)
+                        value = orjson.dumps({"transaction_id": tx["transaction_id"], "action": "approve",
+                                              "fraud_score": 0.01, "explanation": []})  # fmt: skip
+                        n = len(answered)
+                        forged = n % 2 == 1
+                        headers = forgeries[(n // 2) % len(forgeries)](value) if forged else genuine.headers(value)
+                        answered[tx["transaction_id"]] = "forged" if forged else "genuine"
+                        await producer.send_and_wait(DEFAULTS.topic_decisions, value, key=r.key, headers=headers)
+        finally:
+            await producer.stop()
+            await consumer.stop()
+
+    async def run() -> dict[str, Any]:
+        ready, stop = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(forger(ready, stop))
+        await asyncio.wait_for(ready.wait(), 30)
+        settings = kafka_secure.client_settings(secure.workdir, "payments", secure.bootstrap).model_copy(
+            update={"decision_public_keys_file": public}
+        )
+        cfg = LoadConfig(rate=20, duration_s=3.0, drain_s=5.0, settings=settings, quiet=True,
+                         data=tmp_path / "population.parquet")  # fmt: skip
+        try:
+            return await run_load(cfg)
+        finally:
+            stop.set()
+            await task
+
+    summary = asyncio.run(run())
+    forged = sum(kind == "forged" for kind in answered.values())
+    assert len(answered) == summary["sent"] > 0 and forged > 0
+    assert summary["verified"] is True
+    assert summary["unverified"] == forged
+    assert summary["decided"] == summary["sent"] - forged
+    assert summary["actions"] == {"approve": summary["sent"] - forged}
 
 
 # --- no way in without credentials and the CA -----------------------------------------------

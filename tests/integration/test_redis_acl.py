@@ -46,6 +46,11 @@ def as_role(secure_redis: tuple[str, Path], role: str) -> Any:
     return redis_client.sync_client(settings, timeout_s=5.0)
 
 
+def keyspace(admin: Any) -> dict[bytes, bytes | None]:
+    """Every key and its serialized value (DUMP), read as admin: a refused command changes neither."""
+    return {key: admin.dump(key) for key in admin.scan_iter(count=1000)}
+
+
 def test_the_default_user_is_off(secure_redis: tuple[str, Path]) -> None:
     url, _ = secure_redis
     anonymous = redis.Redis.from_url("redis://" + url.split("@", 1)[1])
@@ -58,10 +63,12 @@ def test_a_worker_reads_features_but_cannot_write_them(secure_redis: tuple[str, 
     admin.hset(profile_key("u-1"), mapping={"txn_count_30d": 3})
     worker = as_role(secure_redis, "worker")
     assert worker.hgetall(profile_key("u-1")) == {b"txn_count_30d": b"3"}
+    before = keyspace(admin)
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker.hset(profile_key("u-1"), "txn_count_30d", 999)
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker.hset(merchant_key("m-1"), "risk", 0)
+    assert keyspace(admin) == before
     # What it does write: velocity, its decision cache, its buckets.
     worker.zadd(velocity_key("u-1"), {"e1": 1.0})
     worker.set(decision_id_key("u-1", "t-1"), b"{}")
@@ -83,11 +90,16 @@ def test_the_materialize_user_writes_features(secure_redis: tuple[str, Path], si
 def test_the_gateway_user_has_its_buckets_and_no_decisions(secure_redis: tuple[str, Path]) -> None:
     admin = redis.Redis.from_url(secure_redis[0])
     admin.set(decision_id_key("u-1", "t-1"), b'{"action": "approve"}')
+    admin.hset(profile_key("u-1"), mapping={"txn_count_30d": 3})
     gateway = as_role(secure_redis, "gateway")
+    before = keyspace(admin)
     with pytest.raises(redis.exceptions.NoPermissionError):
         gateway.get(decision_id_key("u-1", "t-1"))
     with pytest.raises(redis.exceptions.NoPermissionError):
-        gateway.hgetall(profile_key("u-1"))
+        gateway.hgetall(profile_key("u-1"))  # the features
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        gateway.set(decision_id_key("u-1", "t-1"), b'{"action": "approve"}')  # a forged cached approve
+    assert keyspace(admin) == before
 
     async def limit() -> list[Any]:
         url, workdir = secure_redis
