@@ -33,7 +33,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,8 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
     worker_env,
 )
 
+from app.settings import Settings
+from app.topics import kafka_auth
 from pipeline.auth import sign
 from tests.factories import materialize_into, partition_of
 from tools import stack
@@ -97,9 +99,12 @@ class Rig:
     workers: Workers
     make_tx: TxFactory
     workdir: Path
+    #: Connection options (TLS, SASL) of the test's payment client and of its reader of outcomes.
+    client: dict[str, Any] = field(default_factory=dict)
+    reader: dict[str, Any] = field(default_factory=dict)
 
     def collector(self) -> Collector:
-        return Collector(self.bootstrap, self.topics, PARTITIONS)
+        return Collector(self.bootstrap, self.topics, PARTITIONS, **self.reader)
 
 
 @pytest.fixture
@@ -115,7 +120,13 @@ def rig_factory(
             bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
             workdir=workdir, partitions=PARTITIONS, **env,
         )  # fmt: skip
-        rig = Rig(kafka_bootstrap, topics, Workers(workdir, base), TxFactory(sim_frame, f"t-{name}-{topics.transactions[-6:]}"), workdir)
+        rig = Rig(
+            kafka_bootstrap,
+            topics,
+            Workers(workdir, base),
+            TxFactory(sim_frame, f"t-{name}-{topics.transactions[-6:]}"),
+            workdir,
+        )
         rigs.append(rig)
         return rig
 
@@ -130,7 +141,7 @@ async def wait_decided(rig: Rig, collector: Collector, *, timeout: float = PROBE
     """Produce one valid transaction and wait for its decision: the worker has joined
     the group and has partitions. Returns the seconds it took."""
     probe = tx_msg(rig.make_tx())
-    producer = make_producer(rig.bootstrap)
+    producer = make_producer(rig.bootstrap, **rig.client)
     await producer.start()
     try:
         await send_all(producer, rig.topics.transactions, [probe])
@@ -155,12 +166,18 @@ def check_no_duplicate_disagrees(t: Any) -> None:
 async def paced_load(rig: Rig, *, rate: float, duration: float, sent: list[Msg]) -> AsyncIterator[asyncio.Task[Any]]:
     """Valid transactions, open loop at ``rate`` for ``duration`` s, into the rig's
     `transactions`; yields the sending task (await it to end the load)."""
-    producer = make_producer(rig.bootstrap)
+    producer = make_producer(rig.bootstrap, **rig.client)
     await producer.start()
     try:
         yield asyncio.create_task(
-            send_paced(producer, rig.topics.transactions, lambda i: tx_msg(rig.make_tx()),
-                       rate=rate, duration=duration, sent=sent)  # fmt: skip
+            send_paced(
+                producer,
+                rig.topics.transactions,
+                lambda i: tx_msg(rig.make_tx()),
+                rate=rate,
+                duration=duration,
+                sent=sent,
+            )  # fmt: skip
         )
     finally:
         await producer.stop()
@@ -248,7 +265,9 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
             # How often the watchdog had to seek back a partition that went quiet
             # with records waiting (app/offsets.py, ``stalled``): shown, not asserted.
             quiet = sum(w.text().count("nothing decided from offset") for w in rig.workers.started)
-            report(t.line("rebalance", workers=3, stopped_rc=stopped, partitions_behind=len(behind), quiet_reseeks=quiet))
+            report(
+                t.line("rebalance", workers=3, stopped_rc=stopped, partitions_behind=len(behind), quiet_reseeks=quiet)
+            )
             assert t.dead_lettered == 0
             check_no_duplicate_disagrees(t)
             assert b.alive() and c.alive(), rig.workers.logs()
@@ -284,9 +303,7 @@ async def wait_committed(rig: Rig, ends: dict[int, int], timeout: float) -> dict
 # --- Redis outage ----------------------------------------------------------------------------------
 
 
-def test_fault_redis_outage(
-    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path
-) -> None:
+def test_fault_redis_outage(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path) -> None:
     """Redis stopped under load: decisions continue, degraded; full decisions resume
     within seconds of Redis returning (same port, materialized again); worker alive."""
     port = stack.free_port()
@@ -413,7 +430,9 @@ def test_fault_model_budget(sim_frame: pd.DataFrame) -> None:
     assert all(d["degraded"] for d in decisions)
     assert all(d["model_version"] is None for d in decisions)
     assert all(d["explanation"][-1] == f"degraded: model over its {budget_s * 1000:.0f} ms budget" for d in decisions)
-    assert elapsed_ms < (budget_s + margin_s) * 1000, f"a batch took {elapsed_ms:.0f} ms with a {budget_s * 1000:.0f} ms budget"
+    assert elapsed_ms < (budget_s + margin_s) * 1000, (
+        f"a batch took {elapsed_ms:.0f} ms with a {budget_s * 1000:.0f} ms budget"
+    )
 
 
 def _rules() -> dict[str, Any]:
@@ -488,11 +507,26 @@ HOSTILE_VALUES = st.one_of(
     st.floats(),  # NaN and ±Infinity included: written as NaN / Infinity text (not JSON)
     st.sampled_from([0, -0.0, -1, 1e-320, 1e9, 1e9 + 1, 1e308, 5e-324, 10**19]),
     st.text(max_size=40),
-    st.sampled_from([
-        "9999-12-31T23:59:59Z", "9999-12-31T23:59:59.999999+14:00", "0001-01-01T00:00:00+00:00",
-        "2026-13-45T99:99:99Z", "1970-01-01T00:00:00Z", "now", "", " ", "\u202e\u0000", "\ud800",
-        "\ufeff", "𝕏" * 30, "e\u0301" * 20, "\u200d" * 10, "NaN", "Infinity",
-    ]),
+    st.sampled_from(
+        [
+            "9999-12-31T23:59:59Z",
+            "9999-12-31T23:59:59.999999+14:00",
+            "0001-01-01T00:00:00+00:00",
+            "2026-13-45T99:99:99Z",
+            "1970-01-01T00:00:00Z",
+            "now",
+            "",
+            " ",
+            "\u202e\u0000",
+            "\ud800",
+            "\ufeff",
+            "𝕏" * 30,
+            "e\u0301" * 20,
+            "\u200d" * 10,
+            "NaN",
+            "Infinity",
+        ]
+    ),
     st.lists(st.integers(), max_size=3),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
@@ -537,13 +571,40 @@ def _spec(kind: str, params: st.SearchStrategy[tuple[Any, ...]]) -> st.SearchStr
 hostile_specs = st.one_of(
     _spec("raw", st.tuples(st.binary(max_size=300))),
     _spec("fields", st.tuples(st.dictionaries(st.sampled_from(FIELDS), HOSTILE_VALUES, min_size=1, max_size=3))),
-    _spec("nested", st.tuples(st.integers(min_value=1, max_value=40_000), st.sampled_from(["list", "object", "inside"]))),
-    _spec("big", st.tuples(st.sampled_from(BIG_SIZES), st.sampled_from((*FIELDS, "padding")),
-                           st.sampled_from(["x", "\u00e9", "\u20ac", "\U0001f4b3", "\\", '"']))),  # fmt: skip
+    _spec(
+        "nested", st.tuples(st.integers(min_value=1, max_value=40_000), st.sampled_from(["list", "object", "inside"]))
+    ),
+    _spec(
+        "big",
+        st.tuples(
+            st.sampled_from(BIG_SIZES),
+            st.sampled_from((*FIELDS, "padding")),
+            st.sampled_from(["x", "\u00e9", "\u20ac", "\U0001f4b3", "\\", '"']),
+        ),
+    ),  # fmt: skip
     _spec("json", st.tuples(_any_json)),
-    _spec("amount", st.tuples(st.sampled_from(
-        [0, -0.0, -12.5, 1e-9, 5e-324, 1e9, 1e9 + 0.01, float("nan"), float("inf"), float("-inf"), 10**30, "12.00", True]
-    ))),
+    _spec(
+        "amount",
+        st.tuples(
+            st.sampled_from(
+                [
+                    0,
+                    -0.0,
+                    -12.5,
+                    1e-9,
+                    5e-324,
+                    1e9,
+                    1e9 + 0.01,
+                    float("nan"),
+                    float("inf"),
+                    float("-inf"),
+                    10**30,
+                    "12.00",
+                    True,
+                ]
+            )
+        ),
+    ),
 )
 
 #: Named cases every run includes (Hypothesis runs ``@example`` cases first).
@@ -551,8 +612,13 @@ EXPLICIT = [
     Hostile("raw", (b"",)),
     Hostile("raw", (b"\xff\xfe\x00garbage",)),
     Hostile("raw", (b'{"transaction_id": "raw-nan", "amount": NaN}',)),
-    Hostile("raw", (b'{"transaction_id": "raw-big", "user_id": "u", "merchant_id": "m", "amount": 1e400, '
-                    b'"timestamp": "2026-01-01T00:00:00Z"}',)),  # fmt: skip
+    Hostile(
+        "raw",
+        (
+            b'{"transaction_id": "raw-big", "user_id": "u", "merchant_id": "m", "amount": 1e400, '
+            b'"timestamp": "2026-01-01T00:00:00Z"}',
+        ),
+    ),  # fmt: skip
     Hostile("raw", (b'{"a": 1, "a": 2}',)),
     Hostile("amount", (float("nan"),)),
     Hostile("amount", (float("inf"),)),
@@ -697,7 +763,9 @@ def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str)
                           codes="/".join(f"{k}:{v}" for k, v in sorted(codes.items()))))  # fmt: skip
             assert t.lost == 0, f"lost {t.lost}: {t.lost_ids[:10]}\n{worker.log()}"
             assert not problems, f"{len(problems)} messages without exactly one outcome:\n" + "\n".join(problems[:20])
-            assert "internal_error" not in codes, [d for d in col.dead_letters if d["error"]["code"] == "internal_error"][:2]
+            assert "internal_error" not in codes, [
+                d for d in col.dead_letters if d["error"]["code"] == "internal_error"
+            ][:2]
             assert worker.alive(), worker.log()
             assert "Traceback" not in worker.text(), worker.text()[-4000:]
             assert set(kinds) == {"raw", "fields", "nested", "big", "json", "amount"}, kinds
@@ -789,8 +857,9 @@ def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
         "unsigned": [tx_msg(make(), f"a-unsigned-{i}") for i in range(5)],
         "tampered": [signed(make(), f"a-tampered-{i}", tamper=True) for i in range(5)],
         "wrong_key": [signed(make(), f"a-wrongkey-{i}", with_key=secrets.token_bytes(32)) for i in range(5)],
-        "unknown_client": [signed(make(), f"a-unknown-{i}", as_client="intruder", with_key=secrets.token_bytes(32))
-                           for i in range(5)],  # fmt: skip
+        "unknown_client": [
+            signed(make(), f"a-unknown-{i}", as_client="intruder", with_key=secrets.token_bytes(32)) for i in range(5)
+        ],  # fmt: skip
         "stale": [signed(make(), f"a-stale-{i}", at_ms=int((time.time() - 3600) * 1000)) for i in range(5)],
     }
     expected = {"unsigned": "unauthenticated", "tampered": "bad_signature", "wrong_key": "bad_signature",
@@ -868,7 +937,11 @@ def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
             assert how == "cached", replay
             assert again["cached"] is True
             assert (again["action"], again["fraud_score"], again["model_version"], again["decided_at"]) == (
-                original["action"], original["fraud_score"], original["model_version"], original["decided_at"])
+                original["action"],
+                original["fraud_score"],
+                original["model_version"],
+                original["decided_at"],
+            )
             assert worker.alive(), worker.log()
             text = worker.text()
             assert key.hex() not in text and base64.b64encode(key).decode() not in text, "a key was logged"
@@ -932,69 +1005,127 @@ def stallable_redis(frame: pd.DataFrame, workdir: Path) -> Iterator[StallableRed
 COMBINED_S, COMBINED_RATE = (180.0, 200.0) if SOAK else (60.0, 120.0)
 
 
+async def run_combined(rig: Rig, redis_server: StallableRedis, name: str) -> None:
+    """Two workers under load with the default settings: kill -9 of one (and its
+    replacement), a worker joining, a worker leaving by SIGTERM and a 10 s Redis
+    stall (SIGSTOP/SIGCONT), in one run; then every transaction must have exactly
+    one decision, as a ``read_committed`` consumer sees them."""
+    sent: list[Msg] = []
+    rounds = 2 if SOAK else 1
+    events: list[str] = []
+
+    async def at(fraction: float, t0: float) -> None:
+        await asyncio.sleep(max(0.0, COMBINED_S * fraction - (time.monotonic() - t0)))
+
+    async with rig.collector() as col:
+        a, b = rig.workers.start(), rig.workers.start()
+        for w in (a, b):
+            await w.wait_for_log("Ready", READY_TIMEOUT_S)
+        await wait_decided(rig, col)
+        async with paced_load(rig, rate=COMBINED_RATE, duration=COMBINED_S, sent=sent) as load:
+            t0 = time.monotonic()
+            for r in range(rounds):
+                base = r / rounds
+                await at(base + 0.15 / rounds, t0)
+                a.kill9()  # no shutdown, no LeaveGroup: the group waits out its session
+                events.append(f"kill9@{time.monotonic() - t0:.0f}s")
+                a = rig.workers.start()  # its replacement
+                await at(base + 0.3 / rounds, t0)
+                joiner = rig.workers.start()
+                events.append(f"join@{time.monotonic() - t0:.0f}s")
+                await at(base + 0.5 / rounds, t0)
+                redis_server.stall()
+                events.append(f"redis_stop@{time.monotonic() - t0:.0f}s")
+                await asyncio.sleep(10.0)
+                redis_server.resume()
+                await at(base + 0.75 / rounds, t0)
+                b.terminate()  # leaves the group
+                events.append(f"sigterm@{time.monotonic() - t0:.0f}s")
+                await asyncio.to_thread(b.proc.wait, 30)
+                b = joiner
+            await load
+        await col.wait_all(sent, DRAIN_TIMEOUT_S + 30.0, settle=3.0, abort=rig.workers.none_alive)
+        t = tally(col, sent, by="transaction")
+        firsts = [col.by_tx[m.transaction_id or ""][0] for m in sent if col.by_tx.get(m.transaction_id or "")]
+        fenced = sum(w.text().count("fenced from partitions") for w in rig.workers.started)
+        report(t.line(name, workers=len(rig.workers.started), tps=f"{COMBINED_RATE:.0f}",
+                      load_s=f"{COMBINED_S:.0f}", events="/".join(events),
+                      degraded=sum(d["degraded"] for d in firsts),
+                      provisional=sum(bool(d.get("provisional")) for d in firsts), fenced=fenced))  # fmt: skip
+        if t.lost:
+            again = await rescan(rig.bootstrap, col, t.lost_ids)
+            raise LostMessages(f"{lost_detail(t)}; {again}\n{rig.workers.logs(60)}")
+        check_no_duplicate_disagrees(t)
+        assert t.duplicated == 0, f"{t.duplicated} transactions decided twice"
+        assert t.dead_lettered == 0, [d["error"] for d in col.dead_letters[:5]]
+        assert sum(w.alive() for w in rig.workers.started) == 2, rig.workers.logs()
+        for w in rig.workers.started:
+            assert "AuthorizationFailed" not in w.text(), w.log()
+
+
 @pytest.mark.timeout(1200 if SOAK else 420)
 def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path) -> None:
-    """Three `--role score` workers under load with the default settings: kill -9 of one
-    worker (and its replacement), a worker joining, a worker leaving by SIGTERM and a
-    10 s Redis stall (SIGSTOP/SIGCONT), in one run. Read as a `read_committed`
-    consumer would: every transaction has exactly one decision; none lost, none
-    twice, none disagreeing."""
+    """Three `--role score` workers in all, every fault at once (:func:`run_combined`)."""
     with stallable_redis(sim_frame, tmp_path / "redis") as redis_server:
         rig = rig_factory(redis_server.url, "combined", FRAUD_WORKER_ROLE="score")
         _defaults_only(rig)
-        sent: list[Msg] = []
-        rounds = 2 if SOAK else 1
-        events: list[str] = []
-
-        async def at(fraction: float, t0: float) -> None:
-            await asyncio.sleep(max(0.0, COMBINED_S * fraction - (time.monotonic() - t0)))
 
         async def scenario() -> None:
             await rig.topics.create(rig.bootstrap, PARTITIONS)
-            async with rig.collector() as col:
-                a, b = rig.workers.start(), rig.workers.start()
-                for w in (a, b):
-                    await w.wait_for_log("Ready", READY_TIMEOUT_S)
-                await wait_decided(rig, col)
-                async with paced_load(rig, rate=COMBINED_RATE, duration=COMBINED_S, sent=sent) as load:
-                    t0 = time.monotonic()
-                    for r in range(rounds):
-                        base = r / rounds
-                        await at(base + 0.15 / rounds, t0)
-                        a.kill9()  # no shutdown, no LeaveGroup: the group waits out its session
-                        events.append(f"kill9@{time.monotonic() - t0:.0f}s")
-                        a = rig.workers.start()  # its replacement
-                        await at(base + 0.3 / rounds, t0)
-                        joiner = rig.workers.start()
-                        events.append(f"join@{time.monotonic() - t0:.0f}s")
-                        await at(base + 0.5 / rounds, t0)
-                        redis_server.stall()
-                        events.append(f"redis_stop@{time.monotonic() - t0:.0f}s")
-                        await asyncio.sleep(10.0)
-                        redis_server.resume()
-                        await at(base + 0.75 / rounds, t0)
-                        b.terminate()  # leaves the group
-                        events.append(f"sigterm@{time.monotonic() - t0:.0f}s")
-                        await asyncio.to_thread(b.proc.wait, 30)
-                        b = joiner
-                    await load
-                await col.wait_all(sent, DRAIN_TIMEOUT_S + 30.0, settle=3.0, abort=rig.workers.none_alive)
-                t = tally(col, sent, by="transaction")
-                firsts = [col.by_tx[m.transaction_id or ""][0] for m in sent if col.by_tx.get(m.transaction_id or "")]
-                fenced = sum(w.text().count("fenced from partitions") for w in rig.workers.started)
-                report(t.line("combined", workers=len(rig.workers.started), tps=f"{COMBINED_RATE:.0f}",
-                              load_s=f"{COMBINED_S:.0f}", events="/".join(events),
-                              degraded=sum(d["degraded"] for d in firsts),
-                              provisional=sum(bool(d.get("provisional")) for d in firsts), fenced=fenced))  # fmt: skip
-                if t.lost:
-                    again = await rescan(rig.bootstrap, col, t.lost_ids)
-                    raise LostMessages(f"{lost_detail(t)}; {again}\n{rig.workers.logs(60)}")
-                check_no_duplicate_disagrees(t)
-                assert t.duplicated == 0, f"{t.duplicated} transactions decided twice"
-                assert t.dead_lettered == 0, [d["error"] for d in col.dead_letters[:5]]
-                assert sum(w.alive() for w in rig.workers.started) == 2, rig.workers.logs()
+            await run_combined(rig, redis_server, "combined")
 
         asyncio.run(scenario())
+
+
+@pytest.mark.timeout(1200 if SOAK else 480)
+def test_fault_combined_every_role_on_its_own_principal(
+    sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+) -> None:
+    """The same faults on the secure stack: a SASL/SCRAM-over-TLS broker with the
+    ACL table and a Redis with ACL users. Workers as ``scoring`` (Kafka) and
+    ``worker`` (Redis), the load as ``payments``, the outcomes read as the
+    gateway's reply reader (``gateway``: decisions and dead letters), features
+    written as ``materialize``; the project's own topic names and app id, which
+    the ACLs name."""
+    from tools import kafka_secure
+    from tools.kafka_acls import ROLES
+
+    defaults = Settings()
+    topics = Topics(defaults.topic_transactions, defaults.topic_decisions, defaults.topic_dlq,
+                    defaults.topic_feedback, defaults.topic_monitoring, defaults.topic_labels)  # fmt: skip
+    assert defaults.partitions == PARTITIONS
+    broker_dir, redis_dir = tmp_path / "broker", tmp_path / "redis"
+    broker = stack.start_broker(workdir=broker_dir, secure=True)
+    try:
+        server = StallableRedis(stack.start_redis(workdir=redis_dir, secure=True))
+        try:
+            host = server.url.split("@", 1)[1]
+            secret = stack.redis_password_path(redis_dir, "materialize").read_text().strip()
+            materialize_into(sim_frame, f"redis://materialize:{secret}@{host}")
+
+            def role(user: str) -> dict[str, Any]:
+                return kafka_auth(kafka_secure.client_settings(broker_dir, user, broker.url))
+
+            env = worker_env(
+                bootstrap=broker.url, redis_url=f"redis://{host}", topics=topics, registry=trained_registry,
+                workdir=tmp_path / "workers", app_id=defaults.app_id, partitions=PARTITIONS,
+                FRAUD_WORKER_ROLE="score", FRAUD_REDIS_USERNAME="worker",
+                FRAUD_REDIS_PASSWORD_FILE=str(stack.redis_password_path(redis_dir, "worker")),
+                **kafka_secure.client_env(broker_dir, ROLES["scoring-worker"], broker.url),
+            )  # fmt: skip
+            rig = Rig(broker.url, topics, Workers(tmp_path / "workers", env), TxFactory(sim_frame, "t-secure-combined"),
+                      tmp_path / "workers", client=role(ROLES["payment-client"]), reader=role(ROLES["gateway"]))  # fmt: skip
+            _defaults_only(rig)
+            try:
+                asyncio.run(run_combined(rig, server, "combined_secure"))
+            finally:
+                rig.workers.stop_all()
+        finally:
+            if server.stalled:
+                server.resume()
+            server.handle.stop()
+    finally:
+        broker.stop()
 
 
 @pytest.mark.timeout(300)
@@ -1031,7 +1162,9 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                 await producer.start()
                 try:
                     delivered = await send_all(producer, rig.topics.transactions, first)
-                    await col.wait_for(lambda: all(col.has_outcome(m) for m in first), DRAIN_TIMEOUT_S, "first decisions")
+                    await col.wait_for(
+                        lambda: all(col.has_outcome(m) for m in first), DRAIN_TIMEOUT_S, "first decisions"
+                    )
                     w1.kill9()
                     redis_server.stall()
                     w2 = rig.workers.start()

@@ -247,7 +247,9 @@ class WorkerProc:
         start = time.monotonic()
         while needle not in self.text():
             if not self.alive():
-                raise AssertionError(f"worker {self.pid} exited ({self.proc.returncode}) before {needle!r}:\n{self.log()}")
+                raise AssertionError(
+                    f"worker {self.pid} exited ({self.proc.returncode}) before {needle!r}:\n{self.log()}"
+                )
             if time.monotonic() - start > timeout:
                 raise AssertionError(f"worker {self.pid} not {needle!r} after {timeout:.0f} s:\n{self.log()}")
             await asyncio.sleep(0.1)
@@ -366,7 +368,7 @@ async def send_paced(
             i += 1
         await asyncio.sleep(0.01)
     results = await asyncio.gather(*futures, return_exceptions=True)
-    for m, r in zip(sent[len(sent) - len(results):], results):
+    for m, r in zip(sent[len(sent) - len(results) :], results):
         if not isinstance(r, BaseException):
             m.partition, m.offset = r.partition, r.offset
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -377,11 +379,14 @@ async def send_paced(
 
 
 class Collector:
-    """Reads ``decisions`` and the DLQ from offset 0, in the background, and indexes them."""
+    """Reads ``decisions`` and the DLQ from offset 0, in the background, and indexes them.
 
-    def __init__(self, bootstrap: str, topics: Topics, partitions: int) -> None:
+    ``options``: the reader's connection options (TLS, SASL) on a secure broker."""
+
+    def __init__(self, bootstrap: str, topics: Topics, partitions: int, **options: Any) -> None:
         self.bootstrap = bootstrap
         self.topics = topics
+        self.options = options
         counts = topics.partition_counts(partitions)
         self.parts = [TopicPartition(topics.decisions, p) for p in range(counts[topics.decisions])]
         self.parts += [TopicPartition(topics.dlq, p) for p in range(counts[topics.dlq])]
@@ -401,6 +406,7 @@ class Collector:
             fetch_max_wait_ms=20,
             isolation_level="read_committed",  # what a consumer of decisions must use
             max_partition_fetch_bytes=8 * 1024 * 1024,
+            **self.options,
         )
         await self._consumer.start()
         self._consumer.assign(self.parts)
@@ -575,7 +581,10 @@ def lost_detail(t: Tally, committed: dict[int, int | None] | None = None) -> str
     by_partition: dict[int | None, list[int | None]] = defaultdict(list)
     for partition, offset in t.lost_at:
         by_partition[partition].append(offset)
-    parts = [f"p{p}: offsets {sorted(o for o in offs if o is not None)[:12]}" for p, offs in sorted(by_partition.items(), key=str)]
+    parts = [
+        f"p{p}: offsets {sorted(o for o in offs if o is not None)[:12]}"
+        for p, offs in sorted(by_partition.items(), key=str)
+    ]
     text = f"lost {t.lost}: " + "; ".join(parts) + f"; ids {t.lost_ids[:6]}"
     if committed is not None:
         text += f"; group committed {committed}"
@@ -586,8 +595,13 @@ async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
     """Whether ``ids`` are on the decision and dead-letter topics, read again
     from offset 0 by a fresh consumer: tells a worker that never produced them
     from a collector that missed them (for a failure's message)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20,
-                                isolation_level="read_committed")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=20,
+        isolation_level="read_committed",
+        **collector.options,
+    )
     await consumer.start()
     wanted, found = set(ids), Counter()
     try:
