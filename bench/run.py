@@ -627,8 +627,11 @@ class Worker:
             **variant.env(),
         }
         env = {**os.environ, **ours, "PYTHONUNBUFFERED": "1"}
-        # The load generator sees the settings the worker does (same environment).
-        self.settings = settings_from_env(ours)
+        # The load generator sees the settings the worker does (same environment),
+        # with a payment client's credentials on a secure broker.
+        self.settings = settings_from_env({**ours, **services.client_env()})
+        if join is None:
+            services.provision(settings_from_env(ours))
         if variant.passthrough:
             argv = [sys.executable, "-m", "bench.passthrough"]
         else:
@@ -708,6 +711,10 @@ class Services:
     """This run's producer key: the load generator signs, pipeline workers verify."""
     decision_key: str = field(default_factory=lambda: secrets.token_hex(32))
     """This run's decision signing key (a raw Ed25519 seed): workers sign, the load generator verifies."""
+    secure_dir: Path | None = None
+    """Set when the broker runs SASL/SCRAM over TLS with ACLs and Redis has ACL users
+    (``tools.stack``'s secure mode, material in this folder): every process then uses
+    its role's credentials, as deployed."""
 
     def env(self) -> dict[str, str]:
         """The environment every bench worker (and the load generator's settings) gets."""
@@ -720,7 +727,61 @@ class Services:
             # Signed as a real producer would: verification is part of the cost.
             "FRAUD_CLIENT_KEYS": f"{BENCH_CLIENT}:{self.client_key}",
             **BENCH_RATE_LIMITS,
+            **self.role_env("scoring", "worker"),
         }
+
+    def role_env(self, kafka_user: str | None, redis_user: str | None = None) -> dict[str, str]:
+        """A role's credentials on the secure stack (nothing on the plaintext one)."""
+        from tools import kafka_secure, stack
+
+        if self.secure_dir is None:
+            return {}
+        env = kafka_secure.client_env(self.secure_dir, kafka_user, self.bootstrap) if kafka_user else {}
+        if redis_user:
+            env["FRAUD_REDIS_USERNAME"] = redis_user
+            env["FRAUD_REDIS_PASSWORD_FILE"] = str(stack.redis_password_path(self.secure_dir, redis_user))
+        return env
+
+    def client_env(self) -> dict[str, str]:
+        """The load generator's: a payment client."""
+        return self.role_env("payments")
+
+    def admin_options(self) -> dict[str, Any]:
+        """aiokafka connection options of the broker's super user (topic set-up and clean-up)."""
+        from app.topics import kafka_auth
+        from tools import kafka_secure
+
+        if self.secure_dir is None:
+            return {}
+        return kafka_auth(kafka_secure.client_settings(self.secure_dir, kafka_secure.ADMIN, self.bootstrap))
+
+    def provision(self, worker_settings: Any) -> None:
+        """On the secure broker, as the super user: a worker's topics, and the ACL
+        table's rows for their names and its app id (each bench worker has its own
+        topics; roles may not create them). Nothing on the plaintext broker."""
+        from tools import kafka_secure
+
+        if self.secure_dir is None:
+            return
+        admin = kafka_secure.client_settings(self.secure_dir, kafka_secure.ADMIN, self.bootstrap)
+        connection = {name: getattr(admin, name) for name in type(admin).model_fields if name.startswith("kafka_")}
+        asyncio.run(_provision(worker_settings.model_copy(update=connection), worker_settings))
+
+
+async def _provision(admin: Any, worker_settings: Any) -> None:
+    """``admin``: the worker's settings with the super user's connection."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from app.topics import ensure_topics, kafka_auth
+    from tools import kafka_acls
+
+    await ensure_topics(admin, wait_s=30.0)
+    client = AIOKafkaAdminClient(bootstrap_servers=admin.kafka_bootstrap, **kafka_auth(admin))
+    await client.start()
+    try:
+        await kafka_acls.create_acls(client, kafka_acls.acls(worker_settings))
+    finally:
+        await client.close()
 
 
 def decision_key_env(seed_hex: str) -> dict[str, str]:
@@ -741,11 +802,20 @@ def settings_from_env(env: Mapping[str, str]) -> Any:
 
 
 @contextmanager
-def services(workdir: Path) -> Iterator[Services]:
+def services(workdir: Path, *, secure: bool = False) -> Iterator[Services]:
+    """The broker and Redis: the environment's (KAFKA_BOOTSTRAP, REDIS_URL), else
+    started here. ``secure``: always started here, in the stack's secure mode."""
     from tools import stack
 
     handles: list[Any] = []
     try:
+        if secure:
+            handles.append(stack.start_broker(workdir=workdir, secure=True))
+            handles.append(stack.start_redis(workdir=workdir, secure=True))
+            # The URL without the admin's credentials: each process brings its role's.
+            redis_url = "redis://" + handles[-1].url.split("@", 1)[1]
+            yield Services(handles[0].url, redis_url, {h.name: h.pid for h in handles}, secure_dir=workdir.resolve())
+            return
         bootstrap = os.environ.get("FRAUD_KAFKA_BOOTSTRAP") or os.environ.get("KAFKA_BOOTSTRAP")
         if bootstrap:
             stack.wait_broker_ready(bootstrap)
@@ -776,7 +846,7 @@ def prepare(svc: Services) -> dict[str, Any]:
     """Data, model and online features: simulate and train only if missing; always materialize."""
     from app.settings import Settings
 
-    env = dict(os.environ, REDIS_URL=svc.redis_url, FRAUD_REDIS_URL=svc.redis_url)
+    env = dict(os.environ, REDIS_URL=svc.redis_url, FRAUD_REDIS_URL=svc.redis_url, **svc.role_env(None, "materialize"))
     done: dict[str, Any] = {}
 
     def step(name: str, *args: str) -> None:
@@ -832,7 +902,7 @@ class Bench:
             worker.stop()
             # Drop what this worker's runs produced: later runs start from
             # empty topics and the broker's disk stays flat.
-            asyncio.run(_delete_topics(self.svc.bootstrap, list(worker.topics.values())))
+            asyncio.run(_delete_topics(self.svc.bootstrap, list(worker.topics.values()), self.svc.admin_options()))
             self._stop_s = max(self._stop_s, time.monotonic() - t0)
 
     def _measure(self, worker: Worker, rate: float, phase: Phase, label: str) -> dict[str, Any]:
@@ -943,11 +1013,11 @@ class Bench:
                 self._stop(worker)
 
 
-async def _delete_topics(bootstrap: str, names: list[str]) -> None:
+async def _delete_topics(bootstrap: str, names: list[str], options: Mapping[str, Any] | None = None) -> None:
     """Best effort: a topic left behind costs memory, not correctness."""
     from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **(options or {}))
     try:
         await admin.start()
         await asyncio.wait_for(admin.delete_topics(names), 10.0)

@@ -385,3 +385,23 @@ def test_cpu_per_decision_is_taken_at_the_lowest_passing_rate() -> None:
         "batched": {"offered_tps": 250.0, "worker": 1.2, "broker": 0.5},
         "ceiling": {"offered_tps": 1000.0, "worker": 0.3},
     }
+
+
+def test_on_the_secure_stack_each_bench_process_gets_its_roles_credentials(tmp_path: Path) -> None:
+    """bench.security's "on" mode: the worker as scoring/worker, the load generator as
+    payments, materialize as materialize; the plaintext stack gets no credentials."""
+    from bench.run import Services
+
+    secure = Services("127.0.0.1:1", "redis://127.0.0.1:2/0", secure_dir=tmp_path)
+    worker = secure.env()
+    assert worker["FRAUD_KAFKA_SASL_USERNAME"] == "scoring" and worker["FRAUD_REDIS_USERNAME"] == "worker"
+    assert worker["FRAUD_KAFKA_SASL_PASSWORD_FILE"].startswith(str(tmp_path))
+    assert secure.client_env()["FRAUD_KAFKA_SASL_USERNAME"] == "payments"
+    assert "FRAUD_REDIS_USERNAME" not in secure.client_env()
+    assert secure.role_env(None, "materialize") == {
+        "FRAUD_REDIS_USERNAME": "materialize",
+        "FRAUD_REDIS_PASSWORD_FILE": str(tmp_path / "redis-users" / "materialize.password"),
+    }
+    plain = Services("127.0.0.1:1", "redis://127.0.0.1:2/0")
+    assert not any(k.startswith(("FRAUD_KAFKA_SASL", "FRAUD_REDIS_USERNAME")) for k in plain.env())
+    assert plain.client_env() == {} and plain.admin_options() == {}
