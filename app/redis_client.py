@@ -29,7 +29,10 @@ from typing import Any
 from app.errors import ConfigError
 from app.settings import Settings
 
-__all__ = ["BATCH_TIMEOUT_S", "async_client", "credentials", "is_cluster", "is_cluster_client", "plain_url", "sync_client"]
+__all__ = [
+    "BATCH_TIMEOUT_S", "async_client", "credentials", "is_cluster", "is_cluster_client", "plain_url", "sync_client",
+    "tls_options",
+]  # fmt: skip
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -57,6 +60,14 @@ def plain_url(url: str) -> str:
 #: short enough that a Redis gone silent ends the command with an error
 #: instead of hanging it.
 BATCH_TIMEOUT_S = 60.0
+
+
+def tls_options(settings: Settings) -> dict[str, str]:
+    """The CA to verify a ``rediss://`` server against (``redis_ssl_cafile``);
+    nothing for plaintext URLs, where redis-py would refuse SSL options."""
+    if settings.redis_ssl_cafile is None or not settings.redis_url.lower().startswith("rediss"):
+        return {}
+    return {"ssl_ca_certs": str(settings.redis_ssl_cafile)}
 
 
 def credentials(settings: Settings) -> dict[str, str]:
@@ -112,6 +123,7 @@ def async_client(
     timeout = s.redis_timeout_s if timeout_s is None else timeout_s
     options = _options(timeout, connect_timeout_s, s.redis_pool_size if max_connections is None else max_connections)
     options.update(credentials(s))
+    options.update(tls_options(s))
     if is_cluster(s):
         from redis.asyncio.cluster import RedisCluster
 
@@ -134,6 +146,7 @@ def sync_client(
     """
     options = _options(timeout_s, connect_timeout_s, None)
     options.update(credentials(settings))
+    options.update(tls_options(settings))
     if is_cluster(settings):
         from redis.cluster import RedisCluster
 

@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     redis_password_file: Path | None = None
     """The ACL user's password, from the environment or a file (one line); set one of the two."""
 
+    redis_ssl_cafile: Path | None = None
+    """PEM file of the CA(s) that signed Redis's certificate, for a ``rediss://`` URL
+    (TLS) under a private CA; unset: the system bundle. Ignored for ``redis://``."""
+
     redis_pool_size: int = 8
     """Connections in the worker's Redis pool (one pipeline per batch needs few)."""
 

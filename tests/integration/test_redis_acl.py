@@ -8,6 +8,7 @@ services do.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,75 @@ def test_the_worker_user_runs_the_scoring_path(secure_redis: tuple[str, Path]) -
     enriched, cached, fresh = asyncio.run(run())
     assert cached == [{"action": "approve"}] and fresh == [True]
     assert redis.Redis.from_url(url).exists(velocity_key("u-acl"))
+
+
+# --- TLS: rediss:// -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path, Path]]:
+    """A redis-server serving TLS only (no plaintext port), its certificate signed by a
+    throw-away CA, with the same ACL users: (port, CA file, workdir)."""
+    import subprocess
+
+    workdir = tmp_path_factory.mktemp("redis-tls")
+    tls = workdir / "tls"
+    tls.mkdir()
+    (tls / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for args in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+         "-subj", "/CN=test CA", "-addext", "basicConstraints=critical,CA:TRUE"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "redis.key", "-out", "redis.csr", "-subj", "/CN=localhost"],
+        ["x509", "-req", "-in", "redis.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "redis.pem", "-days", "2", "-extfile", "san.cnf"],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *args], cwd=tls, check=True, capture_output=True, timeout=60)
+    admin = stack._write_acl(workdir / "users.acl", workdir)
+    port = stack.free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--tls-cert-file", str(tls / "redis.pem"), "--tls-key-file", str(tls / "redis.key"),
+         "--tls-ca-cert-file", str(tls / "ca.pem"), "--tls-auth-clients", "no",
+         "--aclfile", str(workdir / "users.acl"), "--dir", str(workdir)],
+        stdout=(workdir / "redis.log").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        probe = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(tls / "ca.pem"),
+                            username="admin", password=admin, socket_timeout=1.0)  # fmt: skip
+        for _ in range(100):
+            try:
+                probe.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError((workdir / "redis.log").read_text())
+        yield port, tls / "ca.pem", workdir
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_a_role_reaches_redis_over_tls_with_its_user(tls_redis: tuple[int, Path, Path]) -> None:
+    """``rediss://`` + ``FRAUD_REDIS_SSL_CAFILE``: the worker user's command works over
+    TLS, and its ACL still applies."""
+    port, ca, workdir = tls_redis
+    settings = Settings(redis_url=f"rediss://127.0.0.1:{port}/0", redis_ssl_cafile=ca, redis_username="worker",
+                        redis_password_file=stack.redis_password_path(workdir, "worker"))  # fmt: skip
+    client = redis_client.sync_client(settings, timeout_s=5.0)
+    assert client.ping()
+    client.zadd(velocity_key("u-tls"), {"e1": 1.0})
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.hset(profile_key("u-tls"), "txn_count_30d", 1)
+
+
+def test_a_client_that_does_not_trust_the_ca_or_speaks_plaintext_gets_nothing(tls_redis: tuple[int, Path, Path]) -> None:
+    port, _, workdir = tls_redis
+    password = stack.redis_password_path(workdir, "worker")
+    untrusting = Settings(redis_url=f"rediss://127.0.0.1:{port}/0", redis_username="worker",
+                          redis_password_file=password)  # system CAs only  # fmt: skip
+    with pytest.raises(redis.exceptions.ConnectionError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+        redis_client.sync_client(untrusting, timeout_s=2.0).ping()
+    plaintext = Settings(redis_url=f"redis://127.0.0.1:{port}/0", redis_username="worker", redis_password_file=password)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        redis_client.sync_client(plaintext, timeout_s=2.0).ping()
