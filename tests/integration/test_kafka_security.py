@@ -366,6 +366,71 @@ def test_the_load_generator_refuses_decisions_signed_with_a_wrong_key(secure: Se
     assert summary["actions"] == {"approve": summary["sent"] - forged}
 
 
+def test_the_gateway_refuses_decisions_signed_with_a_wrong_key(
+    secure: SecureBroker, redis_url: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+) -> None:
+    """The same attacker against the REST gateway (as ``gateway``): a forged ``approve``
+    carrying the request's transaction and correlation ids is no answer (504, counted
+    in /healthz); one signed with the workers' key is the answer."""
+    from pipeline.decision_signing import KEY_ID, DecisionSigner
+    from tests.factories import decision_key_files, new_key, write_keys
+    from tests.integration.test_gateway import GatewayProc, http
+
+    genuine, impostor = DecisionSigner.from_file(decision_key_files()[0]), DecisionSigner.generate()
+    api_key = new_key()
+    env = {
+        **worker_env(bootstrap=secure.bootstrap, redis_url=redis_url, topics=TOPICS, registry=trained_registry,
+                     workdir=tmp_path, app_id=DEFAULTS.app_id, partitions=DEFAULTS.partitions),
+        **secure.env("gateway"),
+        "FRAUD_GATEWAY_KEYS_FILE": str(write_keys(tmp_path / "api.json", acme=api_key)),
+        "FRAUD_GATEWAY_TIMEOUT_S": "5",
+    }  # fmt: skip
+    make = TxFactory(sim_frame, f"t-secure-forged-{uuid.uuid4().hex[:6]}")
+
+    async def answer(sign: Any) -> Any:
+        doc = make(currency="USD")
+        opts = secure.opts("scoring")
+        consumer = AIOKafkaConsumer(bootstrap_servers=secure.bootstrap, group_id=None,
+                                    auto_offset_reset="earliest", **opts)  # fmt: skip
+        producer = AIOKafkaProducer(bootstrap_servers=secure.bootstrap, **opts)
+        await consumer.start()
+        await producer.start()
+        try:
+            consumer.assign([TopicPartition(TOPICS.transactions, p) for p in range(DEFAULTS.partitions)])
+            call = asyncio.ensure_future(asyncio.to_thread(
+                http, "POST", f"{gateway.url}/v1/transactions", doc, api_key, timeout=30))  # fmt: skip
+            correlation = None
+            async with asyncio.timeout(30):
+                while correlation is None:
+                    for records in (await consumer.getmany(timeout_ms=500)).values():
+                        for record in records:
+                            if orjson.loads(record.value)["transaction_id"] == doc["transaction_id"]:
+                                correlation = dict(record.headers)["correlation-id"].decode()
+            value = orjson.dumps({"transaction_id": doc["transaction_id"], "user_id": doc["user_id"],
+                                  "action": "approve", "score": 0.0, "reasons": [],
+                                  "correlation_id": correlation, "cached": False})  # fmt: skip
+            await producer.send_and_wait(TOPICS.decisions, value, key=doc["transaction_id"].encode(), headers=sign(value))
+            return await call
+        finally:
+            await consumer.stop()
+            await producer.stop()
+
+    gateway = GatewayProc(env, tmp_path / "gateway.log")
+    try:
+        gateway.wait_ready(120)
+        forgeries = [lambda value: [], lambda value: [(KEY_ID, genuine.key_id.encode()), impostor.headers(value)[1]]]
+        for sign in forgeries:
+            reply = asyncio.run(answer(sign))
+            assert reply.status == 504, f"{reply.status} {reply.body!r}\n{gateway.log()}"
+        reply = asyncio.run(answer(genuine.headers))
+        assert reply.status == 200, f"{reply.status} {reply.body!r}\n{gateway.log()}"
+        assert reply.json()["action"] == "approve"
+        assert http("GET", f"{gateway.url}/healthz").json()["unverified_decisions"] == len(forgeries)
+        assert "AuthorizationFailed" not in gateway.log_path.read_text(), gateway.log()
+    finally:
+        gateway.stop()
+
+
 # --- no way in without credentials and the CA -----------------------------------------------
 
 
