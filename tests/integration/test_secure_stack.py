@@ -127,7 +127,7 @@ def test_a_role_reaches_redis_with_its_own_user(secure: SecureStack) -> None:
 
 def test_replay_reads_feedback_and_labels_as_the_analyst(secure: SecureStack) -> None:
     analyst = secure.settings("analyst")
-    label = {"transaction_id": "t-replay-1", "label": "fraud", "source": "analyst", "labeled_at": 1_800_000_000.0}
+    label = {"transaction_id": "t-replay-1", "label": "fraud", "source": "analyst", "labeled_at": "2026-01-02T03:04:05+00:00"}
     asyncio.run(_produce(analyst, S.topic_labels, orjson.dumps(label)))
     assert "t-replay-1" in {lb.transaction_id for lb in read_labels(analyst)}
     # The command an analyst runs: feedback and labels from offset 0.
