@@ -935,6 +935,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
     # Messages to stderr, so stdout of `up` stays fit for eval.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # The client library's own INFO lines ("Authenticated as admin ...") are noise here.
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
         if args.command == "up":
             return _cmd_up(
