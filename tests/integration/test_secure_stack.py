@@ -213,3 +213,23 @@ def test_the_load_generator_refuses_to_write_labels_as_the_payment_client(secure
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--labels writes `labels`" in lines[0] and "'payments'" in lines[0], done.stderr
+
+
+def test_up_says_in_one_line_when_the_other_stack_holds_the_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make demo` after `make stack-up` (or the other way round): both stacks use
+    the same ports, so `up` names the one that runs instead of failing on a port."""
+    plain, secure_dir = tmp_path / "plain", tmp_path / "plain" / "secure"
+    monkeypatch.setattr(stack, "DEFAULT_STATE_DIR", plain)
+    monkeypatch.setattr(stack, "DEFAULT_SECURE_STATE_DIR", secure_dir)
+    running = stack.start_redis(workdir=plain)  # what `make stack-up` left running
+    (plain / "redis.pid").write_text(f"{running.pid}\n")
+    try:
+        assert stack.main(["up", "--secure"]) == 1
+    finally:
+        running.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: the plaintext stack ({plain}: redis (pid {running.pid})) holds the ports: "
+                   "stop it first (`python -m tools.stack down`)"]  # fmt: skip
+    assert not (secure_dir / "broker.pid").exists()  # nothing started
