@@ -475,8 +475,9 @@ def start_broker(
     ``secure``: SASL/SCRAM-SHA-512 over TLS, ACLs per role, and the project's
     topics created by the super user (``tools/kafka_secure.py`` says where the
     CA, certificate and passwords are; ``kafka_secure.client_env`` gives a
-    role's settings). Off by default: the demo and most tests run on loopback,
-    where plaintext is faster to start and to read.
+    role's settings). Off by default: most tests run on loopback, where
+    plaintext is faster to start and to read; ``make demo`` runs it
+    (``stack up --secure``).
     """
     port = port or free_port()
     controller_port = controller_port or free_port()
