@@ -1,6 +1,6 @@
 """``make demo``'s own script, end to end on the secured stack, as a user runs it.
 
-``scripts/demo.sh`` with a small data file, the session's trained registry, free
+``scripts/demo.sh`` with a small data file, the trained registry fixture, free
 ports and a state dir under ``tmp_path``: it brings up the secure broker and
 Redis, runs every process as its role's user, sends a short load and stops
 everything it started. The assertions are what its user sees: the summary, the
