@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 DATA := data/transactions.parquet
 DEMO_RATE ?= 100
 DEMO_DURATION ?= 20
+# The demo runs on the secured stack (TLS, SASL/SCRAM, ACLs, Redis users; SECURITY.md);
+# SECURE=0: the plaintext one.
+SECURE ?= 1
 SOAK_MINUTES ?= 30
 SOAK_RATE ?= 500
 # The pass-through by default: the scoring pipeline with its per-partition
@@ -60,8 +63,9 @@ test-tools:
 stack-up: setup
 	$(PY) -m tools.stack up
 
+# Both stacks: the plaintext one (.stack) and the secure one (.stack/secure).
 stack-down:
-	@test -x $(PY) && $(PY) -m tools.stack down || true
+	@test -x $(PY) && { $(PY) -m tools.stack down; $(PY) -m tools.stack down --secure; } || true
 
 stack-status: setup
 	$(PY) -m tools.stack status
@@ -80,8 +84,6 @@ train: setup $(DATA)
 materialize: setup $(DATA)
 	$(FP) materialize --data $(DATA)
 
-# The main job: stack up, train if there is no model, materialize, one worker,
-# load at DEMO_RATE for DEMO_DURATION seconds, then stop everything.
 # Static checks, run first by `make test`: style and errors (ruff), types (mypy,
 # strict on app/, pipeline/, models/), and the layer contract (import-linter:
 # imports only run down bench > tools > agents | gateway > models > pipeline > app).
@@ -97,8 +99,11 @@ lint: setup
 proto: setup
 	$(PY) -m tools.protogen
 
+# The main job: stack up, train if there is no model, materialize, a scoring and
+# a feedback worker, load at DEMO_RATE for DEMO_DURATION seconds, then stop
+# everything. Secured, each process on its role's own credentials (SECURE=0: plaintext).
 demo: setup
-	@bash scripts/demo.sh $(DEMO_RATE) $(DEMO_DURATION)
+	@SECURE=$(SECURE) bash scripts/demo.sh $(DEMO_RATE) $(DEMO_DURATION)
 
 # Unit tests, then integration tests against a real broker and Redis that the
 # fixtures start (or KAFKA_BOOTSTRAP / REDIS_URL when set) and stop.

@@ -33,8 +33,11 @@ OTHER_VARIABLES = frozenset({
 
 
 class Settings(BaseSettings):
+    # env_ignore_empty: an empty variable is an unset one, so docker-compose.yml's
+    # optional `${NAME:-}` pass-throughs leave a setting at its default (an empty
+    # password file path would otherwise name the current directory).
     model_config = SettingsConfigDict(
-        env_prefix="FRAUD_", frozen=True, extra="ignore", populate_by_name=True
+        env_prefix="FRAUD_", frozen=True, extra="ignore", populate_by_name=True, env_ignore_empty=True
     )
 
     # --- connections -------------------------------------------------------

@@ -22,7 +22,7 @@ past that cap the answer is "more partitions", which the advice says.
 apart: throughput and busy time from the counters' increase, lag from the
 per-partition gauges (fetch highwater minus committed offset), and the arrival
 rate as throughput plus the lag's growth. :func:`measure_broker` reads the same
-lag from the broker (fetch highwater, the group's committed offsets) when the
+lag from the broker (end offsets, the group's committed offsets) when the
 workers cannot be reached; it sees no per-worker capacity.
 """
 
@@ -300,9 +300,12 @@ class PartitionOffsets:
 async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, PartitionOffsets]:
     """Highwater and the group's committed offset for every partition of ``transactions``.
 
-    The highwater comes from a fetch response, as the workers see it. The consumer is assigned the partitions
-    (it never joins the group, so the workers are not rebalanced), positioned
-    at the group's committed offsets, and fetches at most a few bytes.
+    The highwater is the partition's end offset (ListOffsets, read_uncommitted:
+    the high watermark a fetch would report), the committed offsets come from
+    the group coordinator (OffsetFetch). Neither reads a record, so the caller
+    needs only Describe on the topic and the group (the ``operator`` role of
+    ``tools/kafka_acls.py``); the consumer never joins the group, so the
+    workers are not rebalanced.
     """
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -311,25 +314,19 @@ async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, Pa
     topic = settings.topic_transactions
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap, group_id=settings.app_id, enable_auto_commit=False,
-        fetch_max_wait_ms=20, max_partition_fetch_bytes=1024, **kafka_auth(settings),
+        request_timeout_ms=int(timeout_s * 1000), **kafka_auth(settings),
     )  # fmt: skip
     await consumer.start()
     try:
-        deadline = time.monotonic() + timeout_s
         partitions = (await partitions_of(consumer, [topic]))[topic]
         if not partitions:
             raise ConfigError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
-        committed = {tp: await consumer.committed(tp) for tp in tps}
-        for tp in tps:
-            consumer.seek(tp, committed[tp] or 0)
-        while any(consumer.highwater(tp) is None for tp in tps):
-            if time.monotonic() > deadline:
-                missing = [tp.partition for tp in tps if consumer.highwater(tp) is None]
-                raise ConfigError(f"no fetch response for {topic} partitions {missing} within {timeout_s:.0f} s")
-            await consumer.getmany(*tps, timeout_ms=200, max_records=1)
-        return {tp.partition: PartitionOffsets(consumer.highwater(tp), committed[tp]) for tp in tps}
+        async with asyncio.timeout(timeout_s):
+            committed = {tp: await consumer.committed(tp) for tp in tps}
+            ends = await consumer.end_offsets(tps)
+        return {tp.partition: PartitionOffsets(ends[tp], committed[tp]) for tp in tps}
     finally:
         await consumer.stop()
 

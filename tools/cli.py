@@ -322,6 +322,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         app = create_feedback_app(settings)
     else:
         app = create_app(settings)
+    # Which identity this process presents: on a secured deployment each role has its own.
+    logging.getLogger(__name__).info(
+        "worker role %s: Kafka %s, Redis user %s", settings.worker_role,
+        f"user {settings.kafka_sasl_username} ({settings.kafka_sasl_mechanism}{' over TLS' if settings.kafka_ssl else ''})"
+        if settings.kafka_sasl_mechanism else "without authentication",
+        settings.redis_username or "default",
+    )  # fmt: skip
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True)
     worker.execute_from_commandline()
     return 0

@@ -39,6 +39,7 @@ ROLES: dict[str, str] = {
     "feedback-worker": "feedback",
     "analyst": "analyst",
     "gateway": "gateway",
+    "operator": "operator",
 }
 
 #: Consumer groups of payment clients start with this (their reply readers).
@@ -96,7 +97,9 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         Grant("group", (PAYMENT_GROUP_PREFIX,), ("Read", "Describe"), "prefixed"),
     )
     analyst = (
-        _read(s.topic_feedback),
+        # `labels` too: `report quality --replay`, `train --from-feedback` and
+        # `rules backtest` replay feedback and labels (tools/replay.py).
+        _read(s.topic_feedback, s.topic_labels),
         _write(s.topic_labels),
         Grant("group", (ANALYST_GROUP_PREFIX,), ("Read", "Describe"), "prefixed"),
     )
@@ -131,7 +134,12 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         # by hand: no group) reads `decisions` and `transactions.dlq` (a
         # dead-lettered request answers 502: gateway/replies.py). Its review
         # page reads `feedback` and `labels` (gateway/review.py) and writes labels.
-        "gateway": (every_topic, *payment_client, *analyst, _read(s.topic_dlq, s.topic_labels)),
+        "gateway": (every_topic, *payment_client, *analyst, _read(s.topic_dlq)),
+        # `scale advise --from-broker` (tools/autoscale.py): the end offsets of
+        # `transactions` (ListOffsets: Describe) and the scoring group's committed
+        # offsets (OffsetFetch: Describe on the group). It reads no record and
+        # cannot join, commit to or reset the group.
+        "operator": (every_topic, Grant("group", (s.app_id,), ("Describe",))),
     }
 
 

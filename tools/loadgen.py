@@ -35,6 +35,7 @@ import numpy as np
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from app.errors import ConfigError
 from app.settings import Settings, get_settings
 from app.topics import kafka_auth
 from pipeline.decision_signing import Unverified, headers_of, verifier_from_settings
@@ -125,6 +126,14 @@ class _LoadRun:
 
         self.cfg = cfg
         s = self.settings = cfg.settings
+        if cfg.label_share and s.kafka_sasl_mechanism:
+            # One process, one principal: the payment client may not write `labels`
+            # (tools/kafka_acls.py), and one that may would defeat that rule.
+            raise ConfigError(
+                f"--labels writes `labels`, which the load generator's user "
+                f"{s.kafka_sasl_username!r} may not on an authenticated broker (the analyst's right, "
+                "SECURITY.md): run the load without --labels, or on the plaintext stack"
+            )
         self.source = LiveTransactions(_population(cfg.data), seed=cfg.seed, fraud_rate=cfg.fraud_rate)
         self.signer = _signer(s)
         # Decisions count only when signed by a published key (FRAUD_DECISION_PUBLIC_KEYS_FILE);

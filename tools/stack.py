@@ -18,9 +18,13 @@ KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
 formatted on first start; topic data survives a restart of the broker, and
 retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).
 
-``up --secure`` (``start_broker(secure=True)``) runs the broker with TLS,
-SASL/SCRAM-SHA-512 users per role and ACLs (``tools/kafka_secure.py``,
-``tools/kafka_acls.py``, SECURITY.md); the default stays plaintext on loopback.
+``up --secure`` runs the broker with TLS, SASL/SCRAM-SHA-512 users per role and
+ACLs (``tools/kafka_secure.py``, ``tools/kafka_acls.py``, SECURITY.md) and Redis
+with ACL users per role, in its own state dir (``.stack/secure``: a plaintext
+broker's formatted log dir cannot become secure). Its ``env`` holds no password:
+each process names its own user and password file (:func:`role_env`).
+``down --secure`` / ``status --secure`` act on that state dir. Without
+``--secure`` the stack stays plaintext on loopback in ``.stack``.
 """
 
 from __future__ import annotations
@@ -61,12 +65,15 @@ from tools import kafka_acls, kafka_secure
 __all__ = [
     "DEFAULT_BROKER_PORT",
     "DEFAULT_REDIS_PORT",
+    "DEFAULT_SECURE_STATE_DIR",
     "DEFAULT_STATE_DIR",
     "ServiceHandle",
     "StackError",
     "free_port",
     "main",
     "pid_alive",
+    "redis_password_path",
+    "role_env",
     "stack_down",
     "stack_status",
     "stack_up",
@@ -81,6 +88,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_STATE_DIR = Path(".stack")
+#: The secure stack's: its broker's log dir holds SCRAM users, a plaintext one's none,
+#: so neither can start on the other's (``make demo`` and ``make demo SECURE=0`` alternate).
+DEFAULT_SECURE_STATE_DIR = DEFAULT_STATE_DIR / "secure"
 #: Fixed ports for ``up`` (tests use free ports), off the standard 9092/6379 so a
 #: system Kafka or Redis on this machine is never mistaken for ours.
 DEFAULT_BROKER_PORT = 19092
@@ -305,7 +315,7 @@ def _ensure_port_free(port: int, name: str) -> None:
         except OSError as exc:
             raise StackError(
                 f"cannot start {name}: 127.0.0.1:{port} is in use ({exc.strerror}); "
-                "`python -m tools.stack status` shows whether it is ours"
+                "`python -m tools.stack status` (`status --secure`: the secure stack) shows whether it is ours"
             ) from exc
 
 
@@ -465,8 +475,9 @@ def start_broker(
     ``secure``: SASL/SCRAM-SHA-512 over TLS, ACLs per role, and the project's
     topics created by the super user (``tools/kafka_secure.py`` says where the
     CA, certificate and passwords are; ``kafka_secure.client_env`` gives a
-    role's settings). Off by default: the demo and most tests run on loopback,
-    where plaintext is faster to start and to read.
+    role's settings). Off by default: most tests run on loopback, where
+    plaintext is faster to start and to read; ``make demo`` runs it
+    (``stack up --secure``).
     """
     port = port or free_port()
     controller_port = controller_port or free_port()
@@ -481,6 +492,14 @@ def start_broker(
     formatted = (workdir / "kafka-logs" / "meta.properties").exists()
     if secure and formatted and not kafka_secure.password_file(workdir, kafka_secure.ADMIN).exists():
         raise StackError(f"{workdir} holds a plaintext broker's log dir (no SCRAM users): use another state dir")
+    if secure and formatted:
+        # SCRAM users are created when the log dir is formatted: a role added since has none.
+        missing = [u for u in kafka_secure.USERS if not kafka_secure.password_file(workdir, u).exists()]
+        if missing:
+            raise StackError(
+                f"{workdir} was formatted before the SCRAM user(s) {', '.join(missing)} existed: "
+                f"remove it (rm -rf {workdir}) and start again"
+            )
     if secure:
         kafka_secure.ensure_material(workdir)
         props.update(kafka_secure.secure_properties(workdir, port, controller_port))
@@ -665,7 +684,7 @@ class _Service:
     env_var: str  # set -> the service is external: wait for it, never start or stop it
     program: str  # what a live PID from our PID file must be running
     url: Callable[[int], str]
-    start: Callable[[int | None, Path], ServiceHandle]
+    start: Callable[[int | None, Path, bool], ServiceHandle]
     wait: _Wait
 
 
@@ -677,7 +696,9 @@ _SERVICES = (
         lambda port: f"127.0.0.1:{port}",
         # The controller listens next to the broker: a restart on the same log
         # dir finds the quorum where its configuration says.
-        lambda port, state_dir: start_broker(port, state_dir, controller_port=port + 1 if port else None),
+        lambda port, state_dir, secure: start_broker(
+            port, state_dir, controller_port=port + 1 if port else None, secure=secure
+        ),
         wait_broker_ready,
     ),
     _Service(
@@ -685,7 +706,7 @@ _SERVICES = (
         "REDIS_URL",
         "redis-server",
         lambda port: f"redis://127.0.0.1:{port}/0",
-        start_redis,
+        lambda port, state_dir, secure: start_redis(port, state_dir, secure=secure),
         wait_redis_ready,
     ),
 )
@@ -702,9 +723,11 @@ def stack_up(
 
     Idempotent: services whose PID files name live, ready processes are reused.
     On failure, whatever this call started is stopped again. ``secure``: the
-    broker with SASL/SCRAM over TLS and ACLs (:func:`start_broker`); the env then
-    also says how to reach it (TLS, CA file, mechanism), the user and password
-    file being each role's own.
+    broker with SASL/SCRAM over TLS and ACLs (:func:`start_broker`) and Redis
+    with ACL users (:func:`start_redis`); the env then also says how to reach
+    the broker (TLS, CA file, mechanism) but names no user and holds no
+    password: ``REDIS_URL`` carries no credentials, and each process sets its
+    role's own (:func:`role_env`).
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     ports = {"broker": broker_port, "redis": redis_port}
@@ -727,12 +750,44 @@ def stack_up(
 _PER_ROLE = ("FRAUD_KAFKA_SASL_USERNAME", "FRAUD_KAFKA_SASL_PASSWORD_FILE")
 
 
+def role_env(state_dir: Path, kafka_user: str | None = None, redis_user: str | None = None) -> dict[str, str]:
+    """The settings by which one process of the secure stack in ``state_dir`` is
+    ``kafka_user`` on the broker (a SCRAM user: ``kafka_acls.ROLES``' values) and
+    ``redis_user`` on Redis (``app.redis_keys.ACL_KEY_PATTERNS``' keys): user
+    names and password files, never a password."""
+    state_dir = state_dir.resolve()
+    env: dict[str, str] = {}
+    if kafka_user is not None:
+        if kafka_user not in kafka_secure.USERS:
+            raise StackError(f"no Kafka user {kafka_user!r} on the secure broker (users: {', '.join(kafka_secure.USERS)})")
+        env["FRAUD_KAFKA_SASL_USERNAME"] = kafka_user
+        env["FRAUD_KAFKA_SASL_PASSWORD_FILE"] = str(kafka_secure.password_file(state_dir, kafka_user))
+    if redis_user is not None:
+        path = redis_password_path(state_dir, redis_user)
+        if not path.is_file():
+            raise StackError(f"no Redis user {redis_user!r} in {state_dir}: is the secure stack up there?")
+        env["FRAUD_REDIS_USERNAME"] = redis_user
+        env["FRAUD_REDIS_PASSWORD_FILE"] = str(path)
+    return env
+
+
 def _wait_options(svc: _Service, state_dir: Path, secure: bool) -> dict[str, Any]:
     """The readiness probe's connection options: the super user's on the secure broker."""
     if svc.name != "broker" or not secure:
         return {}
     admin = kafka_secure.client_settings(state_dir.resolve(), kafka_secure.ADMIN, "")
     return {"client": kafka_auth(admin)}
+
+
+def _probe_url(svc: _Service, state_dir: Path, url: str, secure: bool) -> str:
+    """The URL a readiness probe uses: on the secure Redis, as its ``admin`` user
+    (the anonymous ``default`` user is off); the URL handed out never carries it."""
+    if svc.name != "redis" or not secure or "@" in url:
+        return url
+    password = redis_password_path(state_dir, "admin")
+    if not password.is_file():
+        return url  # no ACL users here: the probe fails and says so
+    return url.replace("redis://", f"redis://admin:{password.read_text().strip()}@", 1)
 
 
 def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle], secure: bool = False) -> str:
@@ -743,13 +798,11 @@ def _up(svc: _Service, state_dir: Path, port: int, started: list[ServiceHandle],
     url = svc.url(port)
     if _reuse(svc, state_dir, url, secure):
         return url
-    if svc.name == "broker" and secure:
-        handle = start_broker(port, state_dir, controller_port=port + 1 if port else None, secure=True)
-    else:
-        handle = svc.start(port, state_dir)
+    handle = svc.start(port, state_dir, secure)
     started.append(handle)
     _pid_path(state_dir, svc.name).write_text(f"{handle.pid}\n")
-    return handle.url
+    # The secure Redis's handle carries the admin's credentials: the env gets the plain URL.
+    return url if svc.name == "redis" else handle.url
 
 
 def _reuse(svc: _Service, state_dir: Path, url: str, secure: bool = False) -> bool:
@@ -763,7 +816,10 @@ def _reuse(svc: _Service, state_dir: Path, url: str, secure: bool = False) -> bo
         return False
     log_path = state_dir / f"{svc.name}.log"
     try:
-        svc.wait(url, timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path, **_wait_options(svc, state_dir, secure))
+        svc.wait(
+            _probe_url(svc, state_dir, url, secure), timeout=_REUSE_TIMEOUT_S, pid=pid, log_path=log_path,
+            **_wait_options(svc, state_dir, secure),
+        )  # fmt: skip
     except StackError:
         logger.warning("%s (pid %d) is not ready at %s; replacing it", svc.name, pid, url)
         ServiceHandle(svc.name, pid, url, log_path).stop()
@@ -771,6 +827,16 @@ def _reuse(svc: _Service, state_dir: Path, url: str, secure: bool = False) -> bo
         return False
     logger.info("%s already up (pid %d) at %s", svc.name, pid, url)
     return True
+
+
+def _running(state_dir: Path) -> list[str]:
+    """``name (pid N)`` of each service whose PID file in ``state_dir`` names a live process of ours."""
+    out = []
+    for svc in _SERVICES:
+        pid = _read_pid(_pid_path(state_dir, svc.name))
+        if pid is not None and _runs(pid, svc.program):
+            out.append(f"{svc.name} (pid {pid})")
+    return out
 
 
 def stack_down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
@@ -806,7 +872,8 @@ def stack_status(
         url = env.get(svc.env_var)
         secure = "FRAUD_KAFKA_SASL_MECHANISM" in env
         options = _wait_options(svc, state_dir, secure)
-        rows.append((svc.name, pid, url, url is not None and _is_ready(svc, url, pid, options)))
+        probe = None if url is None else _probe_url(svc, state_dir, url, secure)
+        rows.append((svc.name, pid, url, probe is not None and _is_ready(svc, probe, pid, options)))
     return rows
 
 
@@ -848,41 +915,80 @@ def _read_env(path: Path) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tools.stack up|down|status``; ``up`` prints ``export`` lines for ``eval``."""
+    """``python -m tools.stack up|down|status|env``; ``up`` and ``env`` print ``export`` lines for ``eval``."""
     parser = argparse.ArgumentParser(
         prog="python -m tools.stack", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("command", choices=("up", "down", "status"))
-    parser.add_argument("--secure", action="store_true", help="up: SASL/SCRAM over TLS, ACLs per role")
+    parser.add_argument("command", choices=("up", "down", "status", "env"))
     parser.add_argument(
-        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="PID, log and env files"
+        "--secure", action="store_true",
+        help="the secure stack (SASL/SCRAM over TLS, ACLs, Redis users per role), state in "
+        f"{DEFAULT_SECURE_STATE_DIR} unless --state-dir",
+    )  # fmt: skip
+    parser.add_argument(
+        "--state-dir", type=Path, help=f"PID, log and env files (default {DEFAULT_STATE_DIR})"
     )
+    parser.add_argument("--broker-port", type=int, default=DEFAULT_BROKER_PORT, help="up: the broker's port")
+    parser.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT, help="up: Redis's port")
+    parser.add_argument("--kafka-user", help="env: the process's SCRAM user on the secure broker")
+    parser.add_argument("--redis-user", help="env: the process's ACL user on the secure Redis")
     args = parser.parse_args(argv)
+    state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
     # Messages to stderr, so stdout of `up` stays fit for eval.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # The client library's own INFO lines ("Authenticated as admin ...") are noise here.
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
         if args.command == "up":
-            return _cmd_up(args.state_dir, secure=args.secure)
-        return _COMMANDS[args.command](args.state_dir)
+            return _cmd_up(
+                state_dir, secure=args.secure, broker_port=args.broker_port, redis_port=args.redis_port,
+                other=None if args.state_dir else (DEFAULT_STATE_DIR if args.secure else DEFAULT_SECURE_STATE_DIR),
+            )  # fmt: skip
+        if args.command == "env":
+            env = role_env(state_dir, args.kafka_user, args.redis_user)
+            print("".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items()), end="")
+            return 0
+        return _COMMANDS[args.command](state_dir)
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
-def _cmd_up(state_dir: Path, *, secure: bool = False) -> int:
-    env = stack_up(state_dir, secure=secure)
+def _cmd_up(
+    state_dir: Path,
+    *,
+    secure: bool = False,
+    broker_port: int = DEFAULT_BROKER_PORT,
+    redis_port: int = DEFAULT_REDIS_PORT,
+    other: Path | None = None,
+) -> int:
+    """``other``: the default state dir of the other kind of stack, which uses the same ports."""
+    if other is not None and (running := _running(other)):
+        kind = "secure" if other == DEFAULT_SECURE_STATE_DIR else "plaintext"
+        raise StackError(
+            f"the {kind} stack ({other}: {', '.join(running)}) holds the ports: stop it first "
+            f"(`python -m tools.stack down{' --secure' if kind == 'secure' else ''}`)"
+        )
+    env = stack_up(state_dir, secure=secure, broker_port=broker_port, redis_port=redis_port)
     print((state_dir / "env").read_text(), end="")
     logger.info(
         "stack up: %s (env in %s)", ", ".join(f"{k}={v}" for k, v in env.items()), state_dir / "env"
     )
     if secure:
-        secrets_dir = kafka_secure.password_file(state_dir, kafka_secure.ADMIN).parent
         logger.info(
-            "secure broker: each role sets FRAUD_KAFKA_SASL_USERNAME=<user> and "
-            "FRAUD_KAFKA_SASL_PASSWORD_FILE=%s/<user>.password (users: %s)",
-            secrets_dir, ", ".join(f"{role}={user}" for role, user in kafka_acls.ROLES.items()),
+            "secure stack: each process takes its role's users, e.g. "
+            "`eval \"$(python -m tools.stack env --state-dir %s --kafka-user scoring --redis-user worker)\"` "
+            "(Kafka users: %s; Redis users: %s)",
+            state_dir, ", ".join(f"{role}={user}" for role, user in kafka_acls.ROLES.items()),
+            ", ".join(_redis_roles()),
         )  # fmt: skip
     return 0
+
+
+def _redis_roles() -> list[str]:
+    from app.redis_keys import ACL_KEY_PATTERNS
+
+    return [*ACL_KEY_PATTERNS, "admin"]
 
 
 def _cmd_down(state_dir: Path) -> int:
@@ -900,7 +1006,6 @@ def _cmd_status(state_dir: Path) -> int:
 
 
 _COMMANDS: dict[str, Callable[[Path], int]] = {
-    "up": _cmd_up,
     "down": _cmd_down,
     "status": _cmd_status,
 }

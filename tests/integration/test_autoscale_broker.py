@@ -1,4 +1,4 @@
-"""`scale advise --from-broker`: lag per partition from fetch highwaters and the
+"""`scale advise --from-broker`: lag per partition from end offsets and the
 group's committed offsets, on the real broker."""
 
 from __future__ import annotations

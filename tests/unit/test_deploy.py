@@ -91,6 +91,28 @@ def test_workers_scale(compose: dict[str, Any]) -> None:
     assert set(ours) == {"topics", "worker", "feedback", "gateway"} and len({s["image"] for s in ours.values()}) == 1
 
 
+def test_each_service_is_its_role_on_a_secured_cluster_and_plaintext_by_default(compose: dict[str, Any]) -> None:
+    """One principal per role (tools/kafka_acls.py), no password in the environment,
+    and nothing that switches SASL/TLS on unless the shell asks for it."""
+    from tools.kafka_acls import ROLES
+    from tools.kafka_secure import ADMIN
+
+    services = compose["services"]
+    users = {name: services[name]["environment"]["FRAUD_KAFKA_SASL_USERNAME"]
+             for name in ("topics", "worker", "feedback", "gateway")}  # fmt: skip
+    assert users == {"topics": ADMIN, "worker": ROLES["scoring-worker"],
+                     "feedback": ROLES["feedback-worker"], "gateway": ROLES["gateway"]}  # fmt: skip
+    for name in users:
+        env = services[name]["environment"]
+        assert not [k for k in env if k.endswith("PASSWORD")], name  # only password files
+        assert "FRAUD_KAFKA_SASL_PASSWORD_FILE" in env and "FRAUD_KAFKA_SSL_CAFILE" in env
+        # Empty means unset (app/settings.py): the plaintext broker of this file needs none of it.
+        assert env["FRAUD_KAFKA_SASL_MECHANISM"] == "" and env["FRAUD_KAFKA_SSL"] == ""
+    assert services["worker"]["environment"]["FRAUD_REDIS_USERNAME"] == ""  # open Redis by default
+    assert "FRAUD_DECISION_SIGNING_KEY_FILE" in services["worker"]["environment"]
+    assert "FRAUD_DECISION_PUBLIC_KEYS_FILE" in services["gateway"]["environment"]
+
+
 def test_gateway(compose: dict[str, Any]) -> None:
     gateway = compose["services"]["gateway"]
     assert gateway["command"] == ["fraud-pipeline", "gateway", "--port", "8080"]

@@ -58,6 +58,7 @@ RIGHTS = [
     ("feedback-worker", "Read", S.topic_transactions, False),
     ("analyst", "Read", S.topic_feedback, True),
     ("analyst", "Write", S.topic_labels, True),
+    ("analyst", "Read", S.topic_labels, True),  # replay: report quality --replay, train --from-feedback
     ("analyst", "Write", S.topic_decisions, False),
     ("analyst", "Read", S.topic_transactions, False),
     ("gateway", "Write", S.topic_transactions, True),
@@ -69,6 +70,12 @@ RIGHTS = [
     ("gateway", "Write", S.topic_feedback, False),
     ("gateway", "Write", S.topic_decisions, False),
     ("gateway", "Read", S.topic_transactions, False),
+    # scale advise --from-broker: offsets, never a record.
+    ("operator", "Describe", S.topic_transactions, True),
+    ("operator", "Read", S.topic_transactions, False),
+    ("operator", "Read", S.topic_decisions, False),
+    ("operator", "Read", S.topic_feedback, False),
+    ("operator", "Write", S.topic_transactions, False),
 ]
 
 
@@ -89,6 +96,9 @@ def test_consumer_groups_are_per_role() -> None:
     assert not allowed("feedback-worker", "group", S.app_id, "Read")
     assert allowed("payment-client", "group", f"{kafka_acls.PAYMENT_GROUP_PREFIX}pos-1", "Read")
     assert not allowed("payment-client", "group", S.app_id, "Read")
+    # The operator sees the scoring group's committed offsets but cannot commit, join or reset it.
+    assert allowed("operator", "group", S.app_id, "Describe")
+    assert not allowed("operator", "group", S.app_id, "Read")
 
 
 def test_no_role_may_alter_the_cluster_or_delete() -> None:

@@ -43,3 +43,14 @@ def test_warn_only_is_an_explicit_choice(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level(logging.WARNING):
         check_environment({"FRAUD_GATEWAY_RATE_BURST": "3", "FRAUD_UNKNOWN_ENV": "warn"})
     assert "FRAUD_GATEWAY_BURST" in caplog.text
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docker-compose.yml passes optional settings as ``${NAME:-}``: empty when not given."""
+    for name in ("FRAUD_REDIS_PASSWORD_FILE", "FRAUD_KAFKA_SASL_PASSWORD_FILE", "FRAUD_KAFKA_SSL",
+                 "FRAUD_KAFKA_SSL_CAFILE", "FRAUD_DECISION_SIGNING_KEY_FILE"):  # fmt: skip
+        monkeypatch.setenv(name, "")
+    settings = Settings()
+    assert settings.redis_password_file is None and settings.kafka_sasl_password_file is None
+    assert settings.kafka_ssl is False and settings.kafka_ssl_cafile is None
+    assert settings.decision_signing_key_file is None
