@@ -759,29 +759,13 @@ class Services:
         """On the secure broker, as the super user: a worker's topics, and the ACL
         table's rows for their names and its app id (each bench worker has its own
         topics; roles may not create them). Nothing on the plaintext broker."""
-        from tools import kafka_secure
+        from tools import kafka_secure, stack
 
         if self.secure_dir is None:
             return
         admin = kafka_secure.client_settings(self.secure_dir, kafka_secure.ADMIN, self.bootstrap)
         connection = {name: getattr(admin, name) for name in type(admin).model_fields if name.startswith("kafka_")}
-        asyncio.run(_provision(worker_settings.model_copy(update=connection), worker_settings))
-
-
-async def _provision(admin: Any, worker_settings: Any) -> None:
-    """``admin``: the worker's settings with the super user's connection."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from app.topics import ensure_topics, kafka_auth
-    from tools import kafka_acls
-
-    await ensure_topics(admin, wait_s=30.0)
-    client = AIOKafkaAdminClient(bootstrap_servers=admin.kafka_bootstrap, **kafka_auth(admin))
-    await client.start()
-    try:
-        await kafka_acls.create_acls(client, kafka_acls.acls(worker_settings))
-    finally:
-        await client.close()
+        asyncio.run(stack.provision_secure(worker_settings.model_copy(update=connection)))
 
 
 def decision_key_env(seed_hex: str) -> dict[str, str]:

@@ -72,6 +72,7 @@ __all__ = [
     "free_port",
     "main",
     "pid_alive",
+    "provision_secure",
     "redis_password_path",
     "role_env",
     "stack_down",
@@ -518,15 +519,16 @@ def start_broker(
     wait: _Wait = partial(wait_broker_ready, client=kafka_auth(admin))
     _ready_or_stopped(handle, wait)
     try:
-        _run_sync(_secure_setup(admin))
+        _run_sync(provision_secure(admin))
     except BaseException:
         handle.stop()
         raise
     return handle
 
 
-async def _secure_setup(admin_settings: Settings) -> None:
-    """As the super user: the project's topics, then every role's ACLs."""
+async def provision_secure(admin_settings: Settings) -> None:
+    """As the super user (``admin_settings`` carries its connection): the topics
+    ``admin_settings`` names, then every role's ACLs for those names and its app id."""
     await ensure_topics(admin_settings, wait_s=30.0)
     admin = AIOKafkaAdminClient(bootstrap_servers=admin_settings.kafka_bootstrap, **kafka_auth(admin_settings))
     await admin.start()
