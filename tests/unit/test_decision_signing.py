@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import time
 from pathlib import Path
 
 import orjson
@@ -150,24 +149,6 @@ def test_the_gateway_answers_only_with_verified_decisions() -> None:
     import asyncio
 
     asyncio.run(run())
-
-
-def test_signing_cost_per_batch_of_32() -> None:
-    """Not asserted: printed (pytest -s), and recorded in SECURITY.md."""
-    signer = DecisionSigner.generate()
-    verifier = DecisionVerifier([signer.public_key])
-    values = [VALUE.replace(b"t-1", f"t-{i}".encode()) * 3 for i in range(32)]  # ~300-byte records
-    rounds = 200
-    started = time.perf_counter()
-    for _ in range(rounds):
-        signed = [signer.headers(v) for v in values]
-    sign_ms = (time.perf_counter() - started) * 1000 / rounds
-    started = time.perf_counter()
-    for _ in range(rounds):
-        for v, h in zip(values, signed):
-            verifier.verify(v, dict(h))
-    verify_ms = (time.perf_counter() - started) * 1000 / rounds
-    print(f"\nEd25519 per batch of 32 decisions: sign {sign_ms:.3f} ms, verify {verify_ms:.3f} ms")
 
 
 def test_decision_key_command_creates_rotates_and_retires(tmp_path: Path) -> None:
