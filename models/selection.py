@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,7 @@ def select(
     rounds_scale: float,
     threads: int,
     log: Callable[[str], None] = lambda _: None,
+    stage: Callable[[str], AbstractContextManager[object]] = lambda _: nullcontext(),
 ) -> tuple[list[MemberChoice], Combination]:
     """Each member's parameters (its whole grid when ``full_grid``, else its
     first entry) and the combination fitted on the chosen members' validation margins."""
@@ -140,8 +142,9 @@ def select(
             started = time.perf_counter()
             fold_margins, aps = [], []
             for fold in usable:
-                booster = fit_member(fold.x_fit, fold.y_fit, names, {**spec["params"], **params}, rounds, threads)
-                m = margins(booster, fold.x_val, names)
+                with stage(f"validate {spec['name']}"):
+                    booster = fit_member(fold.x_fit, fold.y_fit, names, {**spec["params"], **params}, rounds, threads)
+                    m = margins(booster, fold.x_val, names)
                 fold_margins.append(m)
                 y, keep = fold.y_val[fold.keep], fold.keep
                 if len(y) and y.min() != y.max():

@@ -11,9 +11,9 @@ Four members, each wrong in a different way:
 
 * ``broad``: deep boosted trees on every feature — the strongest single
   model, it learns interactions (amount x new device x distance);
-* ``shallow``: depth 2-3 boosted trees, 60 % of columns per tree — lower
+* ``shallow``: depth 3 boosted trees, 60 % of columns per tree — lower
   variance, degrades gracefully when the fraud mix drifts;
-* ``forest``: a random forest (100 deep trees on bootstrap rows, half the
+* ``forest``: a random forest (50-100 deep trees on subsampled rows, half the
   columns per split, one round) — averaging instead of boosting, so its
   errors are the least correlated with the boosted members';
 * ``behaviour``: the user's own behaviour only, no merchant-risk features —
@@ -24,9 +24,9 @@ Their hyper-parameters and the combination (a non-negative logistic
 regression on their margins, :mod:`models.combination`) are chosen by the
 Handbook's prequential validation on earlier windows (:mod:`models.selection`),
 never on the test week. ``search="light"`` (the default) uses each member's
-first grid entry (what the full search chose on the Handbook scenarios, see
-docs/model-evaluation.md) and one validation fold; ``search="full"`` tries
-every entry over ``folds`` folds.
+first grid entry (the cheaper one: it keeps ``make demo``'s training near a
+minute on 2 cores) and one validation fold; ``search="full"`` tries every
+entry over ``folds`` folds (docs/model-evaluation.md has both).
 
 Evaluation follows the Handbook's protocol (:mod:`models.evaluation`): test
 rows of customers already known to be compromised are removed before AUC, AP
@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -56,7 +59,10 @@ from models.selection import BASE_PARAMS, FoldData, fit_member, holdout_fold, ma
 from pipeline.drift import build_reference, top_features, write_reference
 from pipeline.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
 
-__all__ = ["BASELINE", "HANDBOOK_FEATURES", "MEMBER_SPECS", "TrainConfig", "TrainResult", "fit_and_register", "train"]
+__all__ = [
+    "BASELINE", "HANDBOOK_FEATURES", "MEMBER_SPECS", "Stage", "TrainConfig", "TrainResult", "fit_and_register",
+    "no_stage", "train",
+]  # fmt: skip
 
 MERCHANT_FEATURES = frozenset(n for n in FEATURE_NAMES if n.startswith("merchant_"))
 
@@ -67,26 +73,26 @@ MEMBER_SPECS: tuple[dict[str, Any], ...] = (
         "name": "broad",
         "exclude": frozenset(),
         "params": {"subsample": 0.8, "colsample_bytree": 0.8, "seed": 1},
-        "grid": [{"max_depth": 8, "eta": 0.1, "rounds": 200}, {"max_depth": 6, "eta": 0.1, "rounds": 200}],
+        "grid": [{"max_depth": 6, "eta": 0.1, "rounds": 150}, {"max_depth": 8, "eta": 0.1, "rounds": 200}],
     },
     {
         "name": "shallow",
         "exclude": frozenset(),
         "params": {"subsample": 0.9, "colsample_bytree": 0.6, "seed": 2},
-        "grid": [{"max_depth": 3, "eta": 0.1, "rounds": 300}, {"max_depth": 2, "eta": 0.2, "rounds": 300}],
+        "grid": [{"max_depth": 3, "eta": 0.2, "rounds": 150}, {"max_depth": 3, "eta": 0.1, "rounds": 300}],
     },
     {
         "name": "forest",
         "exclude": frozenset(),
-        # One round of 100 parallel trees with eta 1: XGBoost's random forest.
-        "params": {"eta": 1.0, "subsample": 0.6, "colsample_bynode": 0.5, "num_parallel_tree": 100, "seed": 3},
-        "grid": [{"max_depth": 12, "rounds": 1}, {"max_depth": 8, "rounds": 1}],
+        # One round of parallel trees with eta 1: XGBoost's random forest.
+        "params": {"eta": 1.0, "subsample": 0.6, "colsample_bynode": 0.5, "seed": 3},
+        "grid": [{"max_depth": 8, "num_parallel_tree": 50, "rounds": 1}, {"max_depth": 12, "num_parallel_tree": 100, "rounds": 1}],
     },
     {
         "name": "behaviour",
         "exclude": MERCHANT_FEATURES,
         "params": {"subsample": 0.8, "colsample_bytree": 0.9, "seed": 4},
-        "grid": [{"max_depth": 3, "eta": 0.1, "rounds": 300}, {"max_depth": 5, "eta": 0.1, "rounds": 200}],
+        "grid": [{"max_depth": 3, "eta": 0.2, "rounds": 150}, {"max_depth": 5, "eta": 0.1, "rounds": 200}],
     },
 )
 
@@ -101,6 +107,15 @@ HANDBOOK_FEATURES: tuple[str, ...] = (
     "merchant_count_1d", "merchant_risk_1d", "merchant_count_7d", "merchant_risk_7d",
     "merchant_count_30d", "merchant_risk_30d",
 )  # fmt: skip
+#: Wraps a named step of training (the benchmark measures each); the default does nothing.
+Stage = Callable[[str], AbstractContextManager[object]]
+
+
+def no_stage(name: str) -> AbstractContextManager[object]:
+    del name
+    return nullcontext()
+
+
 BASELINE = "baseline"
 TEST_SCORES = "test_scores.parquet"
 BASELINE_SPEC: dict[str, Any] = {
@@ -143,11 +158,15 @@ class TrainResult:
 
 
 def train(
-    df: pd.DataFrame, registry: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True
+    df: pd.DataFrame, registry: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True,
+    stage: Stage = no_stage,
 ) -> TrainResult:
+    """``stage(name)`` wraps each step (a context manager: the training
+    benchmark times and measures memory with it)."""
     present = [c for c in df.columns if df[c].notna().any()]
     features = available_features(present)
-    history = prepare_history(df)
+    with stage("prepare"):
+        history = prepare_history(df)
     first, last = float(history["ts"].min()), float(history["ts"].max())
     days = cfg.train_days + cfg.delay_days + cfg.test_days
     if cfg.train_start is None:
@@ -174,12 +193,9 @@ def train(
     earliest = min([train_start, *(w.fit[0] for w in fold_windows)])
     # One vectorised pass over everything any window needs, then sliced: a row's
     # features depend only on what came before it, not on the window it is in.
-    x_all, y_all, rows_all = training_matrix(history, earliest, end, progress, tz)
-    ts_all = rows_all["ts"].to_numpy(dtype=np.float64)
-
-    def part(lo: float, hi: float) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
-        mask = (ts_all >= lo) & (ts_all < hi)
-        return x_all[mask], y_all[mask], rows_all[mask].reset_index(drop=True)
+    with stage("features"):
+        x_all, y_all, rows_all = training_matrix(history, earliest, end, progress, tz)
+    part = partial(_window_of, x_all, y_all, rows_all, rows_all["ts"].to_numpy(dtype=np.float64))
 
     x_train, y_train, _ = part(train_start, train_end)
     x_test, y_test, test_rows = part(test_start, end)
@@ -192,14 +208,21 @@ def train(
         val_keep = handbook_rows(history[history["ts"] < w.validate[1]], val_rows, w.fit[0], cfg.delay_days)
         folds.append(FoldData(x_fit, y_fit, x_val, y_val, val_keep,
                               {"fit": [_iso(w.fit[0]), _iso(w.fit[1])], "validate": [_iso(w.validate[0]), _iso(w.validate[1])]}))  # fmt: skip
-    del x_all, y_all, rows_all
+    del part, x_all, y_all, rows_all  # the slices are copies: the whole matrix can go
     window = {
         "train": [_iso(train_start), _iso(train_end)],
         "delay_days": cfg.delay_days,
         "test": [_iso(test_start), _iso(end)],
     }
     return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg, keep=keep,
-                            folds=folds or None, progress=progress)  # fmt: skip
+                            folds=folds or None, progress=progress, stage=stage)  # fmt: skip
+
+
+def _window_of(
+    x: np.ndarray, y: np.ndarray, rows: pd.DataFrame, ts: np.ndarray, lo: float, hi: float
+) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+    mask = (ts >= lo) & (ts < hi)
+    return x[mask], y[mask], rows[mask].reset_index(drop=True)
 
 
 def fit_and_register(
@@ -217,6 +240,7 @@ def fit_and_register(
     timezone: str | None = None,
     folds: list[FoldData] | None = None,
     progress: bool = False,
+    stage: Stage = no_stage,
 ) -> TrainResult:
     """Fit the members and the baseline on the train matrix, evaluate on the test
     matrix and register.
@@ -235,7 +259,7 @@ def fit_and_register(
     log(f"prequential validation ({cfg.search}): {len(folds)} fold(s), validating on "
         + "; ".join(str(f.window.get("validate", f.window.get("holdout"))) for f in folds))  # fmt: skip
     choices, combination = select(MEMBER_SPECS, features, folds, full_grid=cfg.search == "full",
-                                  rounds_scale=cfg.rounds_scale, threads=cfg.threads, log=log)  # fmt: skip
+                                  rounds_scale=cfg.rounds_scale, threads=cfg.threads, log=log, stage=stage)  # fmt: skip
     artifacts: list[MemberArtifact] = []
     member_scores: dict[str, np.ndarray] = {}
     test_margins = []
@@ -243,7 +267,8 @@ def fit_and_register(
     say = np.array(combination.weights) / (sum(combination.weights) or 1.0)
     for choice, weight, share in zip(choices, combination.weights, say):
         # Refitted on the training window: the most recent labels, with the chosen parameters.
-        booster = fit_member(x_train, y_train, choice.features, choice.params, choice.rounds, cfg.threads)
+        with stage(f"fit {choice.name}"):
+            booster = fit_member(x_train, y_train, choice.features, choice.params, choice.rounds, cfg.threads)
         gains = booster.get_score(importance_type="total_gain")
         total_gain = math.fsum(float(g) for g in gains.values() if isinstance(g, float)) or 1.0  # floats for total_gain
         for index, gain in gains.items():  # each member's say, as in the ensemble (names are f0, f1, ...)
@@ -255,10 +280,12 @@ def fit_and_register(
         params = {**BASE_PARAMS, **choice.params, "nthread": cfg.threads, "rounds": choice.rounds}
         artifacts.append(MemberArtifact(choice.name, booster, weight, choice.features, params))
     ensemble_scores = combination.score(np.column_stack(test_margins))
-    baseline_scores = _fit_baseline(x_train, y_train, x_test, features, cfg)
+    with stage("fit baseline"):
+        baseline_scores = _fit_baseline(x_train, y_train, x_test, features, cfg)
 
     all_scores = {"ensemble": ensemble_scores, **member_scores, BASELINE: baseline_scores}
-    metrics: dict[str, Any] = {name: evaluate_scores(y_test, sc, test_rows, keep) for name, sc in all_scores.items()}
+    with stage("evaluate"):
+        metrics: dict[str, Any] = {name: evaluate_scores(y_test, sc, test_rows, keep) for name, sc in all_scores.items()}
     # Thresholds for serving: on every test row, since workers score known-compromised cards too.
     thresholds = suggest_thresholds(y_test, ensemble_scores)
     evaluated = np.ones(len(y_test), dtype=bool) if keep is None else keep
@@ -282,24 +309,27 @@ def fit_and_register(
         time.sleep(1.0)
         version = new_version_name()
     folder = registry / version
-    curves = {name: sc[evaluated] for name, sc in all_scores.items() if name != "ensemble"}
-    table = threshold_table(y_test, ensemble_scores)
-    report_files = write_report(folder / "report", y_test[evaluated], ensemble_scores[evaluated], curves, metrics,
-                                window, extra={"threshold_table": table})  # fmt: skip
-    report_files.append(_write_test_scores(folder / "report" / TEST_SCORES, test_rows, y_test, evaluated, all_scores))
-    # The drift reference: the test window, scored out of sample like live traffic.
-    reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
-    saved = save_version(
-        registry,
-        version,
-        artifacts,
-        thresholds=thresholds,
-        metrics=metrics,
-        data_window=window,
-        extra_files=[*report_files, reference],
-        timezone=timezone or cfg.timezone,
-        combination=combination,
-    )
+    with stage("report"):
+        curves = {name: sc[evaluated] for name, sc in all_scores.items() if name != "ensemble"}
+        table = threshold_table(y_test, ensemble_scores)
+        report_files = write_report(folder / "report", y_test[evaluated], ensemble_scores[evaluated], curves, metrics,
+                                    window, extra={"threshold_table": table},
+                                    rows=test_rows[evaluated].reset_index(drop=True))  # fmt: skip
+        report_files.append(_write_test_scores(folder / "report" / TEST_SCORES, test_rows, y_test, evaluated, all_scores))
+        # The drift reference: the test window, scored out of sample like live traffic.
+        reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
+    with stage("register"):
+        saved = save_version(
+            registry,
+            version,
+            artifacts,
+            thresholds=thresholds,
+            metrics=metrics,
+            data_window=window,
+            extra_files=[*report_files, reference],
+            timezone=timezone or cfg.timezone,
+            combination=combination,
+        )
     return TrainResult(version, saved, metrics, window, table)
 
 

@@ -132,3 +132,30 @@ def test_training_without_optional_columns_uses_the_features_it_can_compute(
     features = read_manifest(tmp_path, result.version)["members"][0]["features"]
     assert "new_device" not in features and "distance_from_home_km" not in features
     assert load_ensemble(tmp_path, result.version).predict(np.zeros((2, len(FEATURE_NAMES)), np.float32)).scores.shape == (2,)
+
+
+def test_the_report_has_daily_card_precision_and_reliability_recomputable_from_the_saved_scores(
+    trained_registry: Path,
+) -> None:
+    import pandas as pd
+
+    from models.evaluation import card_precision_per_day
+
+    manifest = read_manifest(trained_registry)
+    report = trained_registry / manifest["version"] / "report"
+    for name in ("daily_card_precision.png", "reliability.png", "curves.png"):
+        assert (report / name).stat().st_size > 10_000
+        assert f"report/{name}" in manifest["sha256"]
+    evaluation = json.loads((report / "evaluation.json").read_text())
+    scores = pd.read_parquet(report / "test_scores.parquet")
+    kept = scores[scores["evaluated"]].reset_index(drop=True)
+    for model in ("ensemble", "broad", "baseline"):
+        daily = evaluation["daily_card_precision"][model]
+        assert len(daily) == 7  # one value per test day
+        assert daily == card_precision_per_day(kept, kept[model].to_numpy())
+        assert round(float(np.mean(list(daily.values()))), 4) == manifest["metrics"][model]["cp_at_100"]
+    bins = evaluation["reliability"]
+    assert sum(b["rows"] for b in bins) == len(kept)
+    top = bins[-1]
+    in_top = kept[(kept["ensemble"] >= top["low"]) & (kept["ensemble"] <= top["high"])]
+    assert top["fraud_rate"] == round(float(in_top["label"].mean()), 5)
