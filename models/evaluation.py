@@ -213,8 +213,10 @@ def _daily_png(path: Path, daily: dict[str, dict[str, float]]) -> Path:
     for name, values in daily.items():
         mean = float(np.mean(list(values.values()))) if values else float("nan")
         main = name == "ensemble"
-        ax.plot(list(values), list(values.values()), label=f"{name} (mean {mean:.3f})", marker="o" if main else ".",
+        ax.plot(range(len(values)), list(values.values()), label=f"{name} (mean {mean:.3f})", marker="o" if main else ".",
                 linewidth=2.4 if main else 1.0, alpha=1.0 if main else 0.8)  # fmt: skip
+    days = list(next(iter(daily.values()), {}))
+    ax.set_xticks(range(len(days)), days)  # day positions, labelled with their dates
     ax.set(xlabel="test day (UTC)", ylabel="card precision @ 100", title="Card-precision@100 per test day")
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     ax.legend(fontsize=8)
