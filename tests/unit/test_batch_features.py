@@ -35,10 +35,13 @@ def awkward_history(seed: int, with_labels: bool = True) -> pd.DataFrame:
     devices[rng.random(n) < 0.05] = None
     lat = rng.uniform(40, 50, n)
     lat[rng.random(n) < 0.05] = np.nan
+    lon = rng.uniform(0, 10, n)
+    if seed % 2:  # a longitude missing where the latitude is not: the medians' NaN-skipping path
+        lon[rng.random(n) < 0.03] = np.nan
     df = pd.DataFrame({
         "transaction_id": [f"t{i}" for i in range(n)], "user_id": users, "amount": amount,
         "merchant_id": rng.integers(0, 25, n).astype(str), "device_id": devices, "lat": lat,
-        "lon": rng.uniform(0, 10, n), "timestamp": pd.to_datetime(ts, unit="s", utc=True),
+        "lon": lon, "timestamp": pd.to_datetime(ts, unit="s", utc=True),
         "currency": rng.choice(["USD", "EUR"], n),
     })  # fmt: skip
     df.loc[users == "7", "currency"] = "USD"
