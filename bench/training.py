@@ -120,10 +120,11 @@ def main() -> None:
     meter = StageMeter()
     started = time.perf_counter()
     with meter("load"):
-        frame = read_transactions(data).frame
-    rows = len(frame)
+        raw = [read_transactions(data).frame]
+    rows = len(raw[0])
     with tempfile.TemporaryDirectory(prefix="bench-training-") as registry:
-        result = train(frame, Path(registry), TrainConfig(threads=args.threads, search=args.search),
+        # As the CLI does: train gets the only reference to the raw frame, and frees it once prepared.
+        result = train(raw.pop(), Path(registry), TrainConfig(threads=args.threads, search=args.search),
                        progress=False, stage=meter)  # fmt: skip
     total = time.perf_counter() - started
     meter.close()

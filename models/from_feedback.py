@@ -109,9 +109,10 @@ def train_from_feedback(
         "skipped": data.skipped,
     }
     test_rows = data.rows.iloc[cut:].reset_index(drop=True)
-    keep = handbook_rows(data.rows, test_rows, float(ts[0]), MERCHANT_LABEL_DELAY_DAYS)
-    if y_test[keep].min() == y_test[keep].max():
-        keep = None  # nothing left to rank: evaluate on every row (the window says "all test rows")
+    handbook = handbook_rows(data.rows, test_rows, float(ts[0]), MERCHANT_LABEL_DELAY_DAYS)
+    # Nothing left to rank on the Handbook's rows: evaluate on every row (the window says "all test rows").
+    kept = y_test[handbook]
+    keep = None if len(kept) == 0 or kept.min() == kept.max() else handbook
     window["label_delay_days"] = MERCHANT_LABEL_DELAY_DAYS
     return fit_and_register(
         x_train, y_train, x_test, y_test, test_rows, present, window,

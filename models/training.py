@@ -167,6 +167,8 @@ def train(
     features = available_features(present)
     with stage("prepare"):
         history = prepare_history(df)
+    # A caller that handed over its only reference (the CLI, the benchmark) frees the raw frame here.
+    del df
     first, last = float(history["ts"].min()), float(history["ts"].max())
     days = cfg.train_days + cfg.delay_days + cfg.test_days
     if cfg.train_start is None:
@@ -200,12 +202,14 @@ def train(
     x_train, y_train, _ = part(train_start, train_end)
     x_test, y_test, test_rows = part(test_start, end)
     # Labels known before each test day: the training window onwards, up to the delay.
-    keep = handbook_rows(history[history["ts"] < end], test_rows, train_start, cfg.delay_days)
+    # Only frauds make a customer known compromised: a small frame instead of copies of the history.
+    frauds = history.loc[history["label"].to_numpy() > 0, ["user_id", "ts", "label"]]
+    keep = handbook_rows(frauds[frauds["ts"] < end], test_rows, train_start, cfg.delay_days)
     folds = []
     for w in fold_windows:
         x_fit, y_fit, _ = part(*w.fit)
         x_val, y_val, val_rows = part(*w.validate)
-        val_keep = handbook_rows(history[history["ts"] < w.validate[1]], val_rows, w.fit[0], cfg.delay_days)
+        val_keep = handbook_rows(frauds[frauds["ts"] < w.validate[1]], val_rows, w.fit[0], cfg.delay_days)
         folds.append(FoldData(x_fit, y_fit, x_val, y_val, val_keep,
                               {"fit": [_iso(w.fit[0]), _iso(w.fit[1])], "validate": [_iso(w.validate[0]), _iso(w.validate[1])]}))  # fmt: skip
     del part, x_all, y_all, rows_all  # the slices are copies: the whole matrix can go

@@ -338,17 +338,19 @@ def _recheck_crowded(
     result: np.ndarray, events: pd.DataFrame, event_user: np.ndarray, rows: pd.DataFrame, user_of: np.ndarray,
     day: np.ndarray, crowded: np.ndarray,
 ) -> None:
-    ev_ts = events["ts"].to_numpy(dtype=np.float64)
-    ev_dev = events["device_id"].astype(str).to_numpy()
     # One pass to group the crowded users' events and rows (not one scan of everything per user).
-    event_groups = pd.Series(np.arange(len(event_user))).groupby(event_user).indices
+    picked = np.flatnonzero(np.isin(event_user, crowded))
+    ev_ts = events["ts"].to_numpy(dtype=np.float64)[picked]
+    ev_dev = events["device_id"].to_numpy()[picked].astype(str)
+    event_groups = pd.Series(picked).groupby(event_user[picked]).indices
     has_device = rows["device_id"].notna().to_numpy()
-    row_groups = pd.Series(np.arange(len(user_of))).groupby(user_of).indices
+    picked_rows = np.flatnonzero(np.isin(user_of, crowded))
+    row_groups = pd.Series(picked_rows).groupby(user_of[picked_rows]).indices
     row_devices = rows["device_id"].to_numpy()
     for user in crowded:
-        mine = event_groups.get(user, np.array([], dtype=np.int64))
+        mine = event_groups[user] if user in event_groups else np.array([], dtype=np.int64)
         times, devices = ev_ts[mine], ev_dev[mine]
-        for r in row_groups.get(user, np.array([], dtype=np.int64)):
+        for r in picked_rows[row_groups[user]] if user in row_groups else ():
             if not has_device[r]:
                 continue
             before = devices[times < day[r] * DAY_S]
