@@ -64,7 +64,7 @@ class StageMeter:
                 "cpu_s": round(time.process_time() - cpu, 2), "peak_rss_mb": round(self._peak, 1),
             })  # fmt: skip
             print(f"{name:<22} {self.stages[-1]['wall_s']:>8.1f} s wall {self.stages[-1]['cpu_s']:>8.1f} s cpu "
-                  f"{self._peak:>9.0f} MB peak RSS", flush=True)  # fmt: skip
+                  f"{self._peak:>9.0f} MiB peak RSS", flush=True)  # fmt: skip
 
     def close(self) -> None:
         self._stop.set()
@@ -146,7 +146,7 @@ def main() -> None:
     stem = args.out / f"training-{rows}"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(doc, stem.with_suffix(".png"))
-    print(f"total {total:.1f} s, high-water RSS {doc['high_water_rss_mb']:.0f} MB; "
+    print(f"total {total:.1f} s, high-water RSS {doc['high_water_rss_mb']:.0f} MiB; "
           f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")  # fmt: skip
 
 
@@ -166,7 +166,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     time_ax.invert_yaxis()
     time_ax.legend(fontsize=8)
     mem_ax.barh(y, [s["peak_rss_mb"] / 1024 for s in stages], color="tab:red")
-    mem_ax.set(xlabel="GB", title=f"peak RSS per stage (high water {doc['high_water_rss_mb'] / 1024:.1f} GB)")
+    mem_ax.set(xlabel="GiB", title=f"peak RSS per stage (high water {doc['high_water_rss_mb'] / 1024:.1f} GiB)")
     m = doc["machine"]
     fig.suptitle(f"fraud-pipeline train, {doc['rows']:,} rows, search {doc['search']}: {m['cores']} cores, "
                  f"{m['cpu_model']}, load {m['load_avg_at_start'][0]:.1f} at start", fontsize=9)  # fmt: skip
