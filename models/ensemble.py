@@ -90,7 +90,10 @@ class XGBoostEnsemble:
         review threshold (an approval's explanation is the score under it).
         A batch of 32 went from 7.2 ms (contributions for every row) to 1.6 ms
         with no row flagged and 3.0 ms with one (2 cores, 3 members of 300-400
-        trees, quiet machine).
+        trees, quiet machine). The stacked 4 members (150-tree boosters and a
+        50-tree forest): median 2.5 ms with no row flagged, 5.6 ms with one,
+        against 3.5 and 7.1 ms for those 3 members measured beside them
+        (load average 1.4).
         """
         features = np.ascontiguousarray(features, dtype=np.float32)
         n = features.shape[0]
