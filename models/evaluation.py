@@ -47,6 +47,7 @@ from sklearn.metrics import (  # noqa: E402
 __all__ = [
     "HANDBOOK_XGBOOST",
     "card_precision_at_k",
+    "card_precision_per_day",
     "evaluate_scores",
     "handbook_rows",
     "threshold_table",
@@ -80,19 +81,27 @@ def handbook_rows(
 
 
 def card_precision_at_k(rows: pd.DataFrame, scores: np.ndarray, k: int = 100) -> float:
+    """The Handbook's card-precision@k: the mean of :func:`card_precision_per_day`."""
+    daily = card_precision_per_day(rows, scores, k)
+    return float(np.mean(list(daily.values()))) if daily else float("nan")
+
+
+def card_precision_per_day(rows: pd.DataFrame, scores: np.ndarray, k: int = 100) -> dict[str, float]:
+    """Card-precision@k of each test day (ISO date -> precision), in day order."""
     frame = pd.DataFrame(
         {"user_id": rows["user_id"].to_numpy(), "day": (rows["ts"].to_numpy() // DAY_S), "score": scores,
          "label": rows["label"].to_numpy()}
     )
     known_compromised: set[str] = set()
-    precisions = []
-    for _, day in frame.groupby("day", sort=True):
+    precisions: dict[str, float] = {}
+    for day_index, day in frame.groupby("day", sort=True):
         cards = day.groupby("user_id").agg(score=("score", "max"), label=("label", "max"))
         cards = cards[~cards.index.isin(known_compromised)]
         top = cards.sort_values("score", ascending=False).head(k)
-        precisions.append(float(top["label"].sum()) / k)
+        date = pd.Timestamp(float(day_index) * DAY_S, unit="s", tz="UTC").date().isoformat()
+        precisions[date] = float(top["label"].sum()) / k
         known_compromised.update(top.index[top["label"] > 0])
-    return float(np.mean(precisions)) if precisions else float("nan")
+    return precisions
 
 
 def _metrics(labels: np.ndarray, scores: np.ndarray, rows: pd.DataFrame) -> dict[str, float]:
@@ -141,11 +150,45 @@ def write_report(
     metrics: dict[str, Any],
     window: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    rows: pd.DataFrame | None = None,
 ) -> list[Path]:
-    """ROC and PR curves (on the evaluated rows) as PNG plus evaluation.json;
-    returns the files written."""
+    """On the evaluated rows: ROC and PR curves (curves.png), and with ``rows``
+    (``user_id``, ``ts``, ``label`` of those rows) card-precision@100 per day
+    (daily_card_precision.png, values in evaluation.json) and the ensemble's
+    reliability diagram (reliability.png); evaluation.json. Returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     curves = {"ensemble": ensemble, **members}
+    written = [_curves_png(folder / "curves.png", labels, curves, metrics)]
+    report: dict[str, Any] = {"metrics": metrics, "handbook_xgboost": HANDBOOK_XGBOOST, "window": window}
+    if rows is not None:
+        daily = {name: card_precision_per_day(rows, scores) for name, scores in curves.items()}
+        report["daily_card_precision"] = daily
+        written.append(_daily_png(folder / "daily_card_precision.png", daily))
+        report["reliability"] = reliability(labels, ensemble)
+        written.append(_reliability_png(folder / "reliability.png", report["reliability"]))
+    evaluation = folder / "evaluation.json"
+    evaluation.write_text(json.dumps({**report, **(extra or {})}, indent=2) + "\n")
+    return [*written, evaluation]
+
+
+def reliability(labels: np.ndarray, scores: np.ndarray, bins: int = 10) -> list[dict[str, float]]:
+    """Per score bin (equal width on [0, 1]): rows, mean score, observed fraud
+    rate. A calibrated model's points lie on the diagonal; thresholds in
+    ``config/rules.json`` read as fraud probabilities only if they do."""
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    which = np.clip(np.digitize(scores, edges[1:-1]), 0, bins - 1)
+    out = []
+    for b in range(bins):
+        inside = which == b
+        n = int(inside.sum())
+        if n:
+            out.append({"low": float(edges[b]), "high": float(edges[b + 1]), "rows": n,
+                        "mean_score": round(float(scores[inside].mean()), 5),
+                        "fraud_rate": round(float(labels[inside].mean()), 5)})  # fmt: skip
+    return out
+
+
+def _curves_png(path: Path, labels: np.ndarray, curves: dict[str, np.ndarray], metrics: dict[str, Any]) -> Path:
     fig, (roc_ax, pr_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, scores in curves.items():
         fpr, tpr, _ = roc_curve(labels, scores)
@@ -160,13 +203,40 @@ def write_report(
         ax.legend(loc="lower right" if ax is roc_ax else "upper right", fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    curves_png = folder / "curves.png"
-    fig.savefig(curves_png, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    evaluation = folder / "evaluation.json"
-    evaluation.write_text(
-        json.dumps({"metrics": metrics, "handbook_xgboost": HANDBOOK_XGBOOST, "window": window, **(extra or {})},
-                   indent=2)
-        + "\n"
-    )
-    return [curves_png, evaluation]
+    return path
+
+
+def _daily_png(path: Path, daily: dict[str, dict[str, float]]) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name, values in daily.items():
+        mean = float(np.mean(list(values.values()))) if values else float("nan")
+        main = name == "ensemble"
+        ax.plot(range(len(values)), list(values.values()), label=f"{name} (mean {mean:.3f})", marker="o" if main else ".",
+                linewidth=2.4 if main else 1.0, alpha=1.0 if main else 0.8)  # fmt: skip
+    days = list(next(iter(daily.values()), {}))
+    ax.set_xticks(range(len(days)), days)  # day positions, labelled with their dates
+    ax.set(xlabel="test day (UTC)", ylabel="card precision @ 100", title="Card-precision@100 per test day")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _reliability_png(path: Path, table: list[dict[str, float]]) -> Path:
+    fig, (ax, count_ax) = plt.subplots(2, 1, figsize=(6, 6.5), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    ax.plot([0, 1], [0, 1], "k:", linewidth=0.8, label="calibrated")
+    ax.plot([r["mean_score"] for r in table], [r["fraud_rate"] for r in table], "o-", label="ensemble")
+    ax.set(ylabel="observed fraud rate", title="Reliability (test window, evaluated rows)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    count_ax.bar([(r["low"] + r["high"]) / 2 for r in table], [r["rows"] for r in table], width=0.09)
+    count_ax.set(xlabel="ensemble score (bin)", ylabel="rows", yscale="log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -25,9 +25,10 @@ import numpy as np
 import pandas as pd
 
 from app.errors import ModelNotFound
+from models.evaluation import handbook_rows
 from models.registry import read_manifest
 from models.training import TrainConfig, TrainResult, _iso, fit_and_register
-from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
+from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION, MERCHANT_LABEL_DELAY_DAYS
 from pipeline.labels import Label
 
 __all__ = ["FeedbackSet", "feedback_training_set", "train_from_feedback"]
@@ -107,9 +108,15 @@ def train_from_feedback(
         "test": [_iso(ts[cut]), _iso(ts[-1])],
         "skipped": data.skipped,
     }
+    test_rows = data.rows.iloc[cut:].reset_index(drop=True)
+    handbook = handbook_rows(data.rows, test_rows, float(ts[0]), MERCHANT_LABEL_DELAY_DAYS)
+    # Nothing left to rank on the Handbook's rows: evaluate on every row (the window says "all test rows").
+    kept = y_test[handbook]
+    keep = None if len(kept) == 0 or kept.min() == kept.max() else handbook
+    window["label_delay_days"] = MERCHANT_LABEL_DELAY_DAYS
     return fit_and_register(
-        x_train, y_train, x_test, y_test, data.rows.iloc[cut:].reset_index(drop=True), present, window,
-        registry, cfg, timezone=_served_timezone(registry),
+        x_train, y_train, x_test, y_test, test_rows, present, window,
+        registry, cfg, keep=keep, timezone=_served_timezone(registry),
     )
 
 

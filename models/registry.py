@@ -2,10 +2,15 @@
 
 Layout of a version::
 
-    member_broad.ubj  member_shallow.ubj  member_behaviour.ubj   (UBJSON boosters)
+    member_<name>.ubj  one UBJSON booster per member
     manifest.json      feature names, members (file, weight, features, params),
-                       thresholds, metrics, data window, sha256 of every file
-    report/            evaluation.json, curves.png (ROC and precision-recall)
+                       combination (how margins become the score; absent in
+                       versions before stacking: the weighted mean of
+                       probabilities), thresholds, metrics, data window,
+                       sha256 of every file
+    report/            evaluation.json, curves.png (ROC and precision-recall),
+                       daily_card_precision.png, reliability.png,
+                       test_scores.parquet
 
 ``<registry>/CURRENT`` names the version served when none is asked for. Only
 :func:`models.lifecycle.promote` (and rollback) moves it: registering a version
@@ -30,6 +35,7 @@ from typing import Any
 import xgboost as xgb
 
 from app.errors import ModelIntegrityError, ModelNotFound
+from models.combination import Combination
 from models.ensemble import Member, XGBoostEnsemble
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 
@@ -80,6 +86,7 @@ def save_version(
     data_window: dict[str, Any],
     extra_files: Sequence[Path] = (),
     timezone: str = "UTC",
+    combination: Combination | None = None,
 ) -> Path:
     """Write a version (registered, not served); ``extra_files`` (already inside
     the version folder) are checksummed too."""
@@ -108,6 +115,8 @@ def save_version(
         "feature_names": list(FEATURE_NAMES),
         "timezone": timezone,  # night/weekend features read this zone's wall clock
         "members": entries,
+        # How the members' margins become the score (absent: the weighted mean of probabilities).
+        **({"combination": combination.to_manifest([m.name for m in members])} if combination else {}),
         "thresholds": thresholds,
         "metrics": metrics,
         "data_window": data_window,
@@ -208,6 +217,7 @@ def load_ensemble(
     ensemble = XGBoostEnsemble(
         manifest["version"], members, threads=threads, thresholds=manifest.get("thresholds"),
         timezone=manifest.get("timezone", "UTC"),  # versions from before the field: UTC, as they were trained
+        combination=Combination.from_manifest(manifest.get("combination"), manifest["members"]),
     )
     if warm_up:
         ensemble.warm_up()

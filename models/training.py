@@ -1,4 +1,4 @@
-"""Train, evaluate and register the 3-member XGBoost ensemble.
+"""Train, evaluate and register the XGBoost ensemble.
 
 Protocol (the Handbook's): train on one window, skip a *delay* window (labels
 of recent transactions are not known yet when a model is trained), test on the
@@ -7,22 +7,26 @@ registered model is the one evaluated, so its metrics describe it. Training
 registers a version and never serves it: ``fraud-pipeline models promote``
 does that (:mod:`models.lifecycle`), logged.
 
-Why three members, and why these:
+Four members, each wrong in a different way:
 
-* ``broad``: depth 6 on every feature, row and column subsampling — the
-  strongest single model, it learns interactions (amount x new device x
-  distance);
-* ``shallow``: depth 3, more rounds, 60 % of columns per tree — lower variance,
-  degrades gracefully when the fraud mix drifts from the training week;
+* ``broad``: deep boosted trees on every feature — the strongest single
+  model, it learns interactions (amount x new device x distance);
+* ``shallow``: depth 3 boosted trees, 60 % of columns per tree — lower
+  variance, degrades gracefully when the fraud mix drifts;
+* ``forest``: a random forest (50-100 deep trees on subsampled rows, half the
+  columns per split, one round) — averaging instead of boosting, so its
+  errors are the least correlated with the boosted members';
 * ``behaviour``: the user's own behaviour only, no merchant-risk features —
   merchant risk is label-delayed and absent for new merchants, and this member
   keeps the ensemble sharp when it is stale or missing.
 
-Weights 0.45 / 0.35 / 0.20: ``behaviour`` is there for robustness, not for
-its own accuracy (it is the weakest member on the test week, where merchant
-risk is fresh), so it gets the smallest say; the two full-feature members are
-close, the deeper one slightly ahead. The weights are in each member spec and
-recorded in the manifest.
+Their hyper-parameters and the combination (a non-negative logistic
+regression on their margins, :mod:`models.combination`) are chosen by the
+Handbook's prequential validation on earlier windows (:mod:`models.selection`),
+never on the test week. ``search="light"`` (the default) uses each member's
+first grid entry (the cheaper one: it keeps ``make demo``'s training near a
+minute on 2 cores) and one validation fold; ``search="full"`` tries every
+entry over ``folds`` folds (docs/model-evaluation.md has both).
 
 Evaluation follows the Handbook's protocol (:mod:`models.evaluation`): test
 rows of customers already known to be compromised are removed before AUC, AP
@@ -37,7 +41,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -48,34 +55,44 @@ import xgboost as xgb
 
 from models.evaluation import evaluate_scores, handbook_rows, threshold_table, write_report
 from models.registry import MemberArtifact, new_version_name, save_version
+from models.selection import BASE_PARAMS, FoldData, fit_member, holdout_fold, margins, prequential_windows, select
 from pipeline.drift import build_reference, top_features, write_reference
 from pipeline.features import DAY_S, FEATURE_NAMES, available_features, prepare_history, training_matrix
 
-__all__ = ["BASELINE", "HANDBOOK_FEATURES", "MEMBER_SPECS", "TrainConfig", "TrainResult", "fit_and_register", "train"]
+__all__ = [
+    "BASELINE", "HANDBOOK_FEATURES", "MEMBER_SPECS", "Stage", "TrainConfig", "TrainResult", "fit_and_register",
+    "no_stage", "train",
+]  # fmt: skip
 
 MERCHANT_FEATURES = frozenset(n for n in FEATURE_NAMES if n.startswith("merchant_"))
 
+#: ``params``: fixed; ``grid``: what prequential validation chooses among
+#: (first entry: the default, used without ``search="full"``).
 MEMBER_SPECS: tuple[dict[str, Any], ...] = (
     {
         "name": "broad",
-        "weight": 0.45,
         "exclude": frozenset(),
-        "rounds": 300,
-        "params": {"max_depth": 6, "eta": 0.08, "subsample": 0.8, "colsample_bytree": 0.8, "seed": 1},
+        "params": {"subsample": 0.8, "colsample_bytree": 0.8, "seed": 1},
+        "grid": [{"max_depth": 6, "eta": 0.1, "rounds": 150}, {"max_depth": 8, "eta": 0.1, "rounds": 200}],
     },
     {
         "name": "shallow",
-        "weight": 0.35,
         "exclude": frozenset(),
-        "rounds": 400,
-        "params": {"max_depth": 3, "eta": 0.1, "subsample": 0.9, "colsample_bytree": 0.6, "seed": 2},
+        "params": {"subsample": 0.9, "colsample_bytree": 0.6, "seed": 2},
+        "grid": [{"max_depth": 3, "eta": 0.2, "rounds": 150}, {"max_depth": 3, "eta": 0.1, "rounds": 300}],
+    },
+    {
+        "name": "forest",
+        "exclude": frozenset(),
+        # One round of parallel trees with eta 1: XGBoost's random forest.
+        "params": {"eta": 1.0, "subsample": 0.6, "colsample_bynode": 0.5, "seed": 3},
+        "grid": [{"max_depth": 8, "num_parallel_tree": 50, "rounds": 1}, {"max_depth": 12, "num_parallel_tree": 100, "rounds": 1}],
     },
     {
         "name": "behaviour",
-        "weight": 0.20,
         "exclude": MERCHANT_FEATURES,
-        "rounds": 300,
-        "params": {"max_depth": 5, "eta": 0.08, "subsample": 0.8, "colsample_bytree": 0.9, "seed": 3},
+        "params": {"subsample": 0.8, "colsample_bytree": 0.9, "seed": 4},
+        "grid": [{"max_depth": 3, "eta": 0.2, "rounds": 150}, {"max_depth": 5, "eta": 0.1, "rounds": 200}],
     },
 )
 
@@ -90,18 +107,20 @@ HANDBOOK_FEATURES: tuple[str, ...] = (
     "merchant_count_1d", "merchant_risk_1d", "merchant_count_7d", "merchant_risk_7d",
     "merchant_count_30d", "merchant_risk_30d",
 )  # fmt: skip
+#: Wraps a named step of training (the benchmark measures each); the default does nothing.
+Stage = Callable[[str], AbstractContextManager[object]]
+
+
+def no_stage(name: str) -> AbstractContextManager[object]:
+    del name
+    return nullcontext()
+
+
 BASELINE = "baseline"
 TEST_SCORES = "test_scores.parquet"
 BASELINE_SPEC: dict[str, Any] = {
     "rounds": 100,
     "params": {"max_depth": 6, "eta": 0.3, "seed": 0},  # XGBClassifier's defaults, as in the Handbook
-}
-
-BASE_PARAMS = {
-    "objective": "binary:logistic",
-    "eval_metric": "aucpr",
-    "tree_method": "hist",
-    "max_bin": 256,
 }
 
 
@@ -117,6 +136,16 @@ class TrainConfig:
     """Epoch seconds where the training window starts; None: the test window ends at the end of the data."""
     timezone: str = "UTC"
     """The zone whose wall clock night and weekend are read on; recorded in the manifest, served the same way."""
+    search: str = "light"
+    """"light": each member's default entry, one validation fold; "full": every grid entry over ``folds`` folds."""
+    folds: int = 3
+    """Prequential validation folds for ``search="full"``."""
+
+    def __post_init__(self) -> None:
+        if self.search not in ("light", "full"):
+            raise ValueError(f"search must be 'light' or 'full', not {self.search!r}")
+        if self.folds < 1:
+            raise ValueError("folds must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -129,11 +158,17 @@ class TrainResult:
 
 
 def train(
-    df: pd.DataFrame, registry: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True
+    df: pd.DataFrame, registry: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True,
+    stage: Stage = no_stage,
 ) -> TrainResult:
+    """``stage(name)`` wraps each step (a context manager: the training
+    benchmark times and measures memory with it)."""
     present = [c for c in df.columns if df[c].notna().any()]
     features = available_features(present)
-    history = prepare_history(df)
+    with stage("prepare"):
+        history = prepare_history(df)
+    # A caller that handed over its only reference (the CLI, the benchmark) frees the raw frame here.
+    del df
     first, last = float(history["ts"].min()), float(history["ts"].max())
     days = cfg.train_days + cfg.delay_days + cfg.test_days
     if cfg.train_start is None:
@@ -151,16 +186,47 @@ def train(
             f"the data or fewer days (30 more before the start give full profiles)"
         )
     tz = None if cfg.timezone == "UTC" else ZoneInfo(cfg.timezone)
-    x_train, y_train, _ = training_matrix(history, train_start, train_end, progress, tz)
-    x_test, y_test, test_rows = training_matrix(history, test_start, end, progress, tz)
+    # Validation folds need labelled data before the training window; those the data does not reach are dropped.
+    fold_windows = [
+        w for w in prequential_windows(train_start, cfg.folds if cfg.search == "full" else 1, cfg.train_days,
+                                       cfg.delay_days)
+        if w.fit[0] >= math.floor(first / DAY_S) * DAY_S
+    ]  # fmt: skip
+    earliest = min([train_start, *(w.fit[0] for w in fold_windows)])
+    # One vectorised pass over everything any window needs, then sliced: a row's
+    # features depend only on what came before it, not on the window it is in.
+    with stage("features"):
+        x_all, y_all, rows_all = training_matrix(history, earliest, end, progress, tz)
+    part = partial(_window_of, x_all, y_all, rows_all, rows_all["ts"].to_numpy(dtype=np.float64))
+
+    x_train, y_train, _ = part(train_start, train_end)
+    x_test, y_test, test_rows = part(test_start, end)
     # Labels known before each test day: the training window onwards, up to the delay.
-    keep = handbook_rows(history[history["ts"] < end], test_rows, train_start, cfg.delay_days)
+    # Only frauds make a customer known compromised: a small frame instead of copies of the history.
+    frauds = history.loc[history["label"].to_numpy() > 0, ["user_id", "ts", "label"]]
+    keep = handbook_rows(frauds[frauds["ts"] < end], test_rows, train_start, cfg.delay_days)
+    folds = []
+    for w in fold_windows:
+        x_fit, y_fit, _ = part(*w.fit)
+        x_val, y_val, val_rows = part(*w.validate)
+        val_keep = handbook_rows(frauds[frauds["ts"] < w.validate[1]], val_rows, w.fit[0], cfg.delay_days)
+        folds.append(FoldData(x_fit, y_fit, x_val, y_val, val_keep,
+                              {"fit": [_iso(w.fit[0]), _iso(w.fit[1])], "validate": [_iso(w.validate[0]), _iso(w.validate[1])]}))  # fmt: skip
+    del part, x_all, y_all, rows_all  # the slices are copies: the whole matrix can go
     window = {
         "train": [_iso(train_start), _iso(train_end)],
         "delay_days": cfg.delay_days,
         "test": [_iso(test_start), _iso(end)],
     }
-    return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg, keep=keep)
+    return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg, keep=keep,
+                            folds=folds or None, progress=progress, stage=stage)  # fmt: skip
+
+
+def _window_of(
+    x: np.ndarray, y: np.ndarray, rows: pd.DataFrame, ts: np.ndarray, lo: float, hi: float
+) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+    mask = (ts >= lo) & (ts < hi)
+    return x[mask], y[mask], rows[mask].reset_index(drop=True)
 
 
 def fit_and_register(
@@ -176,6 +242,9 @@ def fit_and_register(
     *,
     keep: np.ndarray | None = None,
     timezone: str | None = None,
+    folds: list[FoldData] | None = None,
+    progress: bool = False,
+    stage: Stage = no_stage,
 ) -> TrainResult:
     """Fit the members and the baseline on the train matrix, evaluate on the test
     matrix and register.
@@ -186,30 +255,41 @@ def fit_and_register(
     ``keep`` selects the evaluated test rows (the Handbook's, from
     :func:`models.evaluation.handbook_rows`); None evaluates every row.
     ``timezone``: the zone the matrices' night/weekend were computed on (default ``cfg.timezone``).
+    ``folds``: the prequential validation folds (:mod:`models.selection`); None
+    (feedback, or data too short for one): the training rows' last 30 %, by time.
     """
+    log = print if progress else (lambda _: None)
+    folds = folds or [holdout_fold(x_train, y_train)]
+    log(f"prequential validation ({cfg.search}): {len(folds)} fold(s), validating on "
+        + "; ".join(str(f.window.get("validate", f.window.get("holdout"))) for f in folds))  # fmt: skip
+    choices, combination = select(MEMBER_SPECS, features, folds, full_grid=cfg.search == "full",
+                                  rounds_scale=cfg.rounds_scale, threads=cfg.threads, log=log, stage=stage)  # fmt: skip
     artifacts: list[MemberArtifact] = []
     member_scores: dict[str, np.ndarray] = {}
+    test_margins = []
     importance: dict[str, float] = {}
-    for spec in MEMBER_SPECS:
-        names = [n for n in features if n not in spec["exclude"]]
-        idx = [FEATURE_NAMES.index(n) for n in names]
-        params = {**BASE_PARAMS, **spec["params"], "nthread": cfg.threads}
-        dtrain = xgb.DMatrix(x_train[:, idx], label=y_train, feature_names=names, missing=np.nan)
-        rounds = max(10, int(spec["rounds"] * cfg.rounds_scale))
-        booster = xgb.train(params, dtrain, num_boost_round=rounds)
+    say = np.array(combination.weights) / (sum(combination.weights) or 1.0)
+    for choice, weight, share in zip(choices, combination.weights, say):
+        # Refitted on the training window: the most recent labels, with the chosen parameters.
+        with stage(f"fit {choice.name}"):
+            booster = fit_member(x_train, y_train, choice.features, choice.params, choice.rounds, cfg.threads)
         gains = booster.get_score(importance_type="total_gain")
         total_gain = math.fsum(float(g) for g in gains.values() if isinstance(g, float)) or 1.0  # floats for total_gain
-        for name, gain in gains.items():  # each member's say, as in the ensemble
-            importance[name] = importance.get(name, 0.0) + spec["weight"] * gain / total_gain
-        booster.feature_names = None  # the manifest holds names; serving passes bare matrices
-        member_scores[spec["name"]] = booster.inplace_predict(x_test[:, idx])
-        artifacts.append(MemberArtifact(spec["name"], booster, spec["weight"], names, {**params, "rounds": rounds}))
-    weights = np.array([a.weight for a in artifacts]) / sum(a.weight for a in artifacts)
-    ensemble_scores = np.sum([w * member_scores[a.name] for w, a in zip(weights, artifacts)], axis=0)
-    baseline_scores = _fit_baseline(x_train, y_train, x_test, features, cfg)
+        for index, gain in gains.items():  # each member's say, as in the ensemble (names are f0, f1, ...)
+            name = choice.features[int(index[1:])] if index.startswith("f") and index[1:].isdigit() else index
+            importance[name] = importance.get(name, 0.0) + float(share) * float(gain) / total_gain  # type: ignore[arg-type]
+        margin = margins(booster, x_test, choice.features)
+        test_margins.append(margin)
+        member_scores[choice.name] = 1.0 / (1.0 + np.exp(-margin))
+        params = {**BASE_PARAMS, **choice.params, "nthread": cfg.threads, "rounds": choice.rounds}
+        artifacts.append(MemberArtifact(choice.name, booster, weight, choice.features, params))
+    ensemble_scores = combination.score(np.column_stack(test_margins))
+    with stage("fit baseline"):
+        baseline_scores = _fit_baseline(x_train, y_train, x_test, features, cfg)
 
     all_scores = {"ensemble": ensemble_scores, **member_scores, BASELINE: baseline_scores}
-    metrics: dict[str, Any] = {name: evaluate_scores(y_test, sc, test_rows, keep) for name, sc in all_scores.items()}
+    with stage("evaluate"):
+        metrics: dict[str, Any] = {name: evaluate_scores(y_test, sc, test_rows, keep) for name, sc in all_scores.items()}
     # Thresholds for serving: on every test row, since workers score known-compromised cards too.
     thresholds = suggest_thresholds(y_test, ensemble_scores)
     evaluated = np.ones(len(y_test), dtype=bool) if keep is None else keep
@@ -225,29 +305,35 @@ def fit_and_register(
         "removed_customers": int(test_rows.loc[~evaluated, "user_id"].nunique()),
         "features": features,
         "baseline": {"features": [n for n in HANDBOOK_FEATURES if n in features], **BASELINE_SPEC},
+        "combination": combination.to_manifest([c.name for c in choices]),
+        "search": {c.name: c.scores for c in choices},
     }
     version = new_version_name()
     while (registry / version).exists():  # two trainings in one second
         time.sleep(1.0)
         version = new_version_name()
     folder = registry / version
-    curves = {name: sc[evaluated] for name, sc in all_scores.items() if name != "ensemble"}
-    table = threshold_table(y_test, ensemble_scores)
-    report_files = write_report(folder / "report", y_test[evaluated], ensemble_scores[evaluated], curves, metrics,
-                                window, extra={"threshold_table": table})  # fmt: skip
-    report_files.append(_write_test_scores(folder / "report" / TEST_SCORES, test_rows, y_test, evaluated, all_scores))
-    # The drift reference: the test window, scored out of sample like live traffic.
-    reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
-    saved = save_version(
-        registry,
-        version,
-        artifacts,
-        thresholds=thresholds,
-        metrics=metrics,
-        data_window=window,
-        extra_files=[*report_files, reference],
-        timezone=timezone or cfg.timezone,
-    )
+    with stage("report"):
+        curves = {name: sc[evaluated] for name, sc in all_scores.items() if name != "ensemble"}
+        table = threshold_table(y_test, ensemble_scores)
+        report_files = write_report(folder / "report", y_test[evaluated], ensemble_scores[evaluated], curves, metrics,
+                                    window, extra={"threshold_table": table},
+                                    rows=test_rows[evaluated].reset_index(drop=True))  # fmt: skip
+        report_files.append(_write_test_scores(folder / "report" / TEST_SCORES, test_rows, y_test, evaluated, all_scores))
+        # The drift reference: the test window, scored out of sample like live traffic.
+        reference = write_reference(folder, build_reference(x_test, ensemble_scores, top_features(importance)))
+    with stage("register"):
+        saved = save_version(
+            registry,
+            version,
+            artifacts,
+            thresholds=thresholds,
+            metrics=metrics,
+            data_window=window,
+            extra_files=[*report_files, reference],
+            timezone=timezone or cfg.timezone,
+            combination=combination,
+        )
     return TrainResult(version, saved, metrics, window, table)
 
 

@@ -90,11 +90,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(note)
     cfg = TrainConfig(train_days=args.train_days, delay_days=args.delay_days, test_days=args.test_days,
                       rounds_scale=args.rounds_scale, train_start=_train_start(args.train_start),
-                      timezone=args.timezone or "UTC")  # fmt: skip
+                      timezone=args.timezone or "UTC", search=args.search, folds=args.folds)  # fmt: skip
     print(f"features: night and weekend on {cfg.timezone} time (recorded in the manifest; workers serving this "
           "version compute them the same way)")  # fmt: skip
+    # Hand train the only reference to the raw frame: it frees it once prepared
+    # (gigabytes at ten million rows; docs/model-evaluation.md has the numbers).
+    raw = [data.frame]
+    del data
     try:
-        result = train(data.frame, settings.registry_dir, cfg, progress=not args.quiet)
+        result = train(raw.pop(), settings.registry_dir, cfg, progress=not args.quiet)
     except ValueError as exc:  # the data does not cover the windows, or a window holds one class
         print(f"fraud-pipeline train: {exc}", file=sys.stderr)
         return 2
@@ -512,6 +516,10 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--test-share", type=float, default=0.25, help="--from-feedback: newest share held out for evaluation")
     p.add_argument("--min-rows", type=int, default=200, help="--from-feedback: refuse to train on fewer labelled rows")
     p.add_argument("--rounds-scale", type=float, default=1.0, help="multiply each member's boosting rounds")
+    p.add_argument("--search", choices=("light", "full"), default="light",
+                   help="prequential validation: light = each member's default parameters, one fold (fast); "
+                        "full = every grid entry over --folds folds")
+    p.add_argument("--folds", type=int, default=3, help="--search full: validation folds, each a week further back")
     p.add_argument("--serve-if-none", action="store_true",
                    help="if no version serves yet (a fresh registry), promote this one (logged); "
                         "otherwise training never changes what serves")

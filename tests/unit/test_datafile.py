@@ -154,14 +154,14 @@ def test_train_on_a_csv_with_epoch_seconds_words_and_a_train_start(
     )
     path = _write(csv, tmp_path / "export.csv")
     start = (sim_frame["timestamp"].min().normalize() + pd.Timedelta(days=15)).date().isoformat()
-    rc = main(["train", "--data", str(path), "--quiet", "--train-start", start, "--rounds-scale", "0.05"])
+    rc = main(["train", "--data", str(path), "--quiet", "--train-start", start, "--rounds-scale", "0.2"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "timestamps: epoch seconds" in out and "not serving" in out and "alert rate" in out
     [version] = list_versions(registry)
     manifest = read_manifest(registry, version)
     assert manifest["data_window"]["train"][0] == f"{start}T00:00:00+00:00"
-    assert [m["params"]["rounds"] for m in manifest["members"]] == [15, 20, 15]  # 300/400/300 x 0.05
+    assert [m["params"]["rounds"] for m in manifest["members"]] == [30, 30, 1, 30]  # 150 x 0.2; the forest: one round
     rc = main(["train", "--data", str(path), "--quiet", "--train-start", "2020-01-01"])
     out, err = capsys.readouterr()
     assert rc == 2 and err.count("\n") == 1 and "--train-start" in err and list_versions(registry) == [version]

@@ -121,7 +121,7 @@ def test_train_reports_the_handbook_rows_all_rows_and_the_baseline(trained_regis
     manifest = read_manifest(trained_registry)
     window, metrics = manifest["data_window"], manifest["metrics"]
     assert 0 < window["evaluated_rows"] < window["test_rows"] and window["removed_customers"] > 0
-    assert set(metrics) == {"ensemble", "broad", "shallow", "behaviour", "baseline"}
+    assert set(metrics) == {"ensemble", "broad", "shallow", "forest", "behaviour", "baseline"}
     assert all(set(m) == {"auc", "ap", "cp_at_100", "all_rows"} for m in metrics.values())
     assert len(window["baseline"]["features"]) == 15 and window["baseline"]["rounds"] == 100
 

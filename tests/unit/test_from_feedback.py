@@ -63,7 +63,7 @@ def test_training_from_feedback_registers_a_candidate_that_does_not_serve(
     registry = tmp_path / "registry"
     shutil.copytree(trained_registry, registry)
     serving = current_version(registry)
-    records, labels, _ = served_records(sim_frame)
+    records, labels, _ = served_records(sim_frame, days=16)
     data = feedback_training_set(records, labels)
     result = train_from_feedback(data, registry, TrainConfig(rounds_scale=0.05), min_rows=50)
     assert result.version != serving and current_version(registry) == serving
@@ -73,6 +73,11 @@ def test_training_from_feedback_registers_a_candidate_that_does_not_serve(
     assert "reference.json" in manifest["sha256"]
     assert "score" in load_reference(registry / result.version)["items"]
     assert 0.5 < manifest["metrics"]["ensemble"]["auc"] <= 1.0
+    # The Handbook's rows (customers with a fraud labelled 7+ days before removed), all rows beside them.
+    window = manifest["data_window"]
+    assert window["evaluation"].startswith("handbook") and window["label_delay_days"] == 7
+    assert 0 < window["evaluated_rows"] < window["test_rows"]
+    assert "all_rows" in manifest["metrics"]["ensemble"]
     scores = load_ensemble(registry, result.version).predict(data.matrix[:16]).scores
     assert scores.shape == (16,)
 

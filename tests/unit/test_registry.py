@@ -19,11 +19,16 @@ def copy_registry(src: Path, dst: Path) -> Path:
     return dst / "registry"
 
 
-def test_manifest_describes_three_members_and_metrics(trained_registry: Path) -> None:
+def test_manifest_describes_the_members_their_combination_and_metrics(trained_registry: Path) -> None:
     manifest = read_manifest(trained_registry)
-    assert [m["name"] for m in manifest["members"]] == ["broad", "shallow", "behaviour"]
+    names = [m["name"] for m in manifest["members"]]
+    assert names == ["broad", "shallow", "forest", "behaviour"]
     assert manifest["feature_names"] == list(FEATURE_NAMES)
-    assert not any(n.startswith("merchant_") for n in manifest["members"][2]["features"])
+    assert not any(n.startswith("merchant_") for n in manifest["members"][3]["features"])
+    combination = manifest["combination"]
+    assert combination["kind"] == "stacked" and set(combination["weights"]) == set(names)
+    assert all(w >= 0 for w in combination["weights"].values()) and any(w > 0 for w in combination["weights"].values())
+    assert combination["fitted_on"]["rows"] > 0 and combination["fitted_on"]["frauds"] > 0
     assert {"auc", "ap", "cp_at_100"} <= set(manifest["metrics"]["ensemble"])
     assert set(manifest["sha256"]) >= {m["file"] for m in manifest["members"]}
     assert (trained_registry / manifest["version"] / "report" / "curves.png").stat().st_size > 10_000
@@ -56,11 +61,39 @@ def test_reasons_only_for_rows_at_or_above_the_threshold_and_scores_match_xgboos
     for score, mine, full in zip(some.scores, some.reasons, everything.reasons, strict=True):
         assert mine == (full if score >= threshold else [])
     assert any(some.reasons) and not all(some.reasons)
-    # The weighted mean of each member's own probability (XGBoost's predict on a DMatrix).
-    expected = sum(
-        w * m.booster.predict(xgb.DMatrix(batch[:, m.columns], missing=np.nan)) for m, w in zip(model.members, model.weights)
+    # The stacked formula on each member's own margin (XGBoost's predict on a DMatrix):
+    # sigmoid(intercept + sum of weight x margin), weights and intercept as the manifest records them.
+    entry = read_manifest(trained_registry)["combination"]
+    log_odds = entry["intercept"] + sum(
+        entry["weights"][m.name] * m.booster.predict(xgb.DMatrix(batch[:, m.columns], missing=np.nan), output_margin=True)
+        for m in model.members
     )
-    np.testing.assert_allclose(everything.scores, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(everything.scores, 1 / (1 + np.exp(-log_odds)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_version_saved_before_stacking_loads_and_scores_as_the_weighted_mean(
+    trained_registry: Path, tmp_path: Path
+) -> None:
+    """Manifests written before the combination existed have no ``combination``
+    and score as the weighted mean of the members' probabilities."""
+    import xgboost as xgb
+
+    registry = copy_registry(trained_registry, tmp_path)
+    path = registry / current_version(registry) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["combination"]
+    for member, weight in zip(manifest["members"], (0.45, 0.35, 0.2, 0.1)):
+        member["weight"] = weight
+    path.write_text(json.dumps(manifest))
+    model = load_ensemble(registry)
+    batch = np.random.default_rng(8).random((32, len(FEATURE_NAMES)), dtype=np.float32) * 100
+    scored = model.predict(batch)
+    expected = sum(
+        w / 1.1 * m.booster.predict(xgb.DMatrix(batch[:, m.columns], missing=np.nan))
+        for m, w in zip(model.members, (0.45, 0.35, 0.2, 0.1))
+    )
+    np.testing.assert_allclose(scored.scores, expected, rtol=1e-5, atol=1e-6)
+    assert any(scored.reasons)  # explanations work on the old format too
 
 
 def test_a_tampered_model_file_is_refused(trained_registry: Path, tmp_path: Path) -> None:
@@ -99,3 +132,30 @@ def test_training_without_optional_columns_uses_the_features_it_can_compute(
     features = read_manifest(tmp_path, result.version)["members"][0]["features"]
     assert "new_device" not in features and "distance_from_home_km" not in features
     assert load_ensemble(tmp_path, result.version).predict(np.zeros((2, len(FEATURE_NAMES)), np.float32)).scores.shape == (2,)
+
+
+def test_the_report_has_daily_card_precision_and_reliability_recomputable_from_the_saved_scores(
+    trained_registry: Path,
+) -> None:
+    import pandas as pd
+
+    from models.evaluation import card_precision_per_day
+
+    manifest = read_manifest(trained_registry)
+    report = trained_registry / manifest["version"] / "report"
+    for name in ("daily_card_precision.png", "reliability.png", "curves.png"):
+        assert (report / name).stat().st_size > 10_000
+        assert f"report/{name}" in manifest["sha256"]
+    evaluation = json.loads((report / "evaluation.json").read_text())
+    scores = pd.read_parquet(report / "test_scores.parquet")
+    kept = scores[scores["evaluated"]].reset_index(drop=True)
+    for model in ("ensemble", "broad", "baseline"):
+        daily = evaluation["daily_card_precision"][model]
+        assert len(daily) == 7  # one value per test day
+        assert daily == card_precision_per_day(kept, kept[model].to_numpy())
+        assert round(float(np.mean(list(daily.values()))), 4) == manifest["metrics"][model]["cp_at_100"]
+    bins = evaluation["reliability"]
+    assert sum(b["rows"] for b in bins) == len(kept)
+    top = bins[-1]
+    in_top = kept[(kept["ensemble"] >= top["low"]) & (kept["ensemble"] <= top["high"])]
+    assert top["fraud_rate"] == round(float(in_top["label"].mean()), 5)
