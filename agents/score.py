@@ -169,7 +169,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         await scorer.warm_up()
         await reloader.apply(scorer)  # the shadow and drift reference, if any
-        log.info("scoring on the %s event loop", type(asyncio.get_running_loop()).__module__.split(".")[0])
         try:
             async for events in stream.take_events(settings.batch_size, within=settings.batch_window_s):
                 await handle_batch(events, commits=commits, scorer=scorer, reloader=reloader, metrics=metrics)

@@ -178,11 +178,6 @@ class Settings(BaseSettings):
     quality join; consumer group ``<app_id>-feedback``): consuming ``feedback``
     in a scoring worker doubles the messages it reads (docs/performance.md)."""
 
-    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
-    """The worker's event loop implementation (its main loop and faust's consumer
-    thread's): ``uvloop`` (libuv) instead of asyncio's own; docs/performance.md has
-    the measured difference."""
-
     faust_sensors: bool = False
     """Also serve faust's own Prometheus sensor at ``/metrics``. Off by default:
     it runs per message on the event loop (~3 % of a saturated worker's main

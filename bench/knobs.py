@@ -30,7 +30,6 @@ KNOBS: dict[str, dict[str, str]] = {
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
     "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},
     "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
-    "uvloop": {"FRAUD_EVENT_LOOP": "uvloop"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     "workers_2": {},

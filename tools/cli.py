@@ -302,12 +302,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.role:
         overrides["worker_role"] = args.role
     settings = Settings(**overrides)
-    if settings.event_loop == "uvloop":
-        import uvloop
-
-        # Before any loop exists: faust's main loop and its consumer thread's
-        # loop (mode's ServiceThread makes a new one) both come from the policy.
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
         asyncio.run(ensure_topics(settings, wait_s=args.broker_wait))
     except Exception as exc:  # still unreachable after the retries: say so, no traceback

@@ -154,34 +154,3 @@ def test_a_worker_starts_in_a_fresh_checkout_without_a_state_dir(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def test_a_worker_on_uvloop_decides(
-    kafka_bootstrap: str, redis_url: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
-) -> None:
-    """``FRAUD_EVENT_LOOP=uvloop``: the scoring agent runs on uvloop's loop and decides."""
-    topics = Topics.unique("uvloop")
-    asyncio.run(topics.create(kafka_bootstrap, PARTITIONS))
-    env = worker_env(bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
-                     workdir=tmp_path, partitions=PARTITIONS, FRAUD_WORKER_ROLE="score",
-                     FRAUD_EVENT_LOOP="uvloop")  # fmt: skip
-    workers = Workers(tmp_path, env)
-    msg = tx_msg(TxFactory(sim_frame, "t-uvloop")(currency="USD"))
-
-    async def run() -> None:
-        worker = workers.start()
-        await worker.wait_for_log("Ready", 90)
-        async with Collector(kafka_bootstrap, topics, PARTITIONS) as col:
-            producer = make_producer(kafka_bootstrap)
-            await producer.start()
-            try:
-                await send_all(producer, topics.transactions, [msg])
-            finally:
-                await producer.stop()
-            await col.wait_for(lambda: bool(col.by_tx.get(msg.transaction_id or "")), 60, "the decision")
-        assert "scoring on the uvloop event loop" in worker.text(), worker.log()
-
-    try:
-        asyncio.run(run())
-    finally:
-        workers.stop_all()
