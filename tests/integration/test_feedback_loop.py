@@ -93,12 +93,16 @@ class Loop:
 
 
 def second_version(registry: Path, first: str) -> None:
-    """``first`` with other member weights: other scores, same files and checksums."""
+    """``first`` with another combination of the same members: other scores, same
+    files and checksums (most of the say to ``behaviour``, the odd one out)."""
     shutil.copytree(registry / first, registry / SECOND)
     manifest = read_manifest(registry, first)
     manifest["version"] = SECOND
+    say = {m["name"]: (0.8 if m["name"] == "behaviour" else 0.1) for m in manifest["members"]}
+    if "combination" in manifest:  # stacked: weights on the members' margins
+        manifest["combination"]["weights"] = say
     for member in manifest["members"]:
-        member["weight"] = {"broad": 0.1, "shallow": 0.1, "behaviour": 0.8}[member["name"]]
+        member["weight"] = say[member["name"]]
     (registry / SECOND / "manifest.json").write_text(json.dumps(manifest))
 
 
