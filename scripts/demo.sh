@@ -113,6 +113,16 @@ start_worker feedback feedback worker "$FEEDBACK_WEB_PORT"
 wait_ready "${PIDS[0]}" "$STATE/worker-score.log"
 wait_ready "${PIDS[1]}" "$STATE/worker-feedback.log"
 echo "workers ${PIDS[*]} ready (logs: $STATE/worker-score.log, $STATE/worker-feedback.log)"
+# "Ready" comes before the group assigns the scoring worker its partitions and it
+# starts a transactional producer per partition (seconds): a few probe
+# transactions first, so the load below measures scoring, not the start-up.
+probe_start=$SECONDS
+if ( eval "$(role_env payments -)"
+     exec $BIN/fraud-pipeline loadgen --rate 5 --duration 1 --data "$DATA" --every 60 ) > "$STATE/probe.log" 2>&1; then
+  echo "first decisions $((SECONDS - probe_start)) s after the probe started (log: $STATE/probe.log)"
+else
+  echo "the probe got no decision within its drain time; loading anyway (log: $STATE/probe.log)"
+fi
 
 echo "== 5/5 load: ${RATE}/s for ${DURATION}s$([[ $SECURE == 1 ]] && echo ' (Kafka user payments)')"
 ( eval "$(role_env payments -)"
