@@ -366,8 +366,9 @@ def _merchant_columns(
     out: np.ndarray, history: pd.DataFrame, ts_all: np.ndarray, rows: pd.DataFrame, day: np.ndarray,
     first_day: float, end: float,
 ) -> None:
-    """Count and fraud rate per merchant over 1/7/30 days ending 7 days before the row's day."""
-    names = [f"merchant_{kind}_{w}d" for kind in ("count", "risk") for w in PROFILE_WINDOWS_DAYS]
+    """Count and fraud rate per merchant over 1/7/30 days ending 7 days before the
+    row's day, and the label of its latest transaction in the 30-day window."""
+    names = [*(f"merchant_{kind}_{w}d" for kind in ("count", "risk") for w in PROFILE_WINDOWS_DAYS), "merchant_last_label"]
     out[:, [_F[n] for n in names]] = 0.0  # unknown merchant or no labels: zeros, as feature_row
     if "label" not in history:
         return
@@ -380,7 +381,16 @@ def _merchant_columns(
     merchants = merchant_codes.astype(np.int64)
     merchant_of = pd.Index(merchant_ids).get_indexer(rows["merchant_id"]).astype(np.int64)  # -1: no labelled history
     label = known["label"].to_numpy(dtype=np.float64)
-    cell_keys, cells = _day_cells(merchants, np.floor(known["ts"].to_numpy(np.float64) / DAY_S), {"label": label})
+    known_ts = known["ts"].to_numpy(np.float64)
+    known_day = np.floor(known_ts / DAY_S)
+    cell_keys, cells = _day_cells(merchants, known_day, {"label": label})
+    # Per cell, the label of its latest transaction (any fraud among those sharing
+    # that time): sorted by time then label, a group's last row is it. Same order as the cells.
+    last_of_cell = (
+        pd.DataFrame({"e": merchants, "d": known_day.astype(np.int64), "ts": known_ts, "label": label})
+        .sort_values(["e", "d", "ts", "label"], kind="stable")
+        .groupby(["e", "d"], sort=True)["label"].last().to_numpy(np.float64)
+    )
     n_cell, s_cell = cells["n"].to_numpy(np.float64), cells["s_label"].to_numpy(np.float64)
     q_key = _cell_key(np.maximum(merchant_of, 0), day.astype(np.int64))
     q_unique, q_of_row = np.unique(q_key[merchant_of >= 0], return_inverse=True)
@@ -396,6 +406,15 @@ def _merchant_columns(
             out[mine, _F[f"merchant_count_{back}d"]] = count[q_of_row]
             risk = np.divide(fraud, count, out=np.zeros_like(fraud), where=count > 0)
             out[mine, _F[f"merchant_risk_{back}d"]] = risk[q_of_row]
+    # The latest known cell within the longest window: its last label.
+    newest = q_day - MERCHANT_LABEL_DELAY_DAYS - 1
+    pos = np.searchsorted(cell_keys, _cell_key(q_merchant, newest), side="right") - 1
+    at = np.maximum(pos, 0)
+    inside = (
+        (pos >= 0) & ((cell_keys[at] >> 22) == q_merchant)
+        & ((cell_keys[at] & ((1 << 22) - 1)) > newest - max(PROFILE_WINDOWS_DAYS))
+    )  # fmt: skip
+    out[mine, _F["merchant_last_label"]] = np.where(inside, last_of_cell[at], 0.0)[q_of_row]
 
 
 def _velocity_columns(out: np.ndarray, past: pd.DataFrame, users: np.ndarray, user_of: np.ndarray, ts: np.ndarray) -> None:

@@ -52,6 +52,11 @@ def describe_reason(name: str, row: Sequence[float]) -> str:
         return f"{value:,.0f} transactions in {window}"
     if name.startswith("velocity_sum"):
         return f"{value:,.2f} USD spent in {window}"
+    if name == "merchant_last_label":
+        return (
+            "merchant's latest known transaction was a fraud (a week ago)" if value >= 0.5
+            else "merchant's latest known transaction was legitimate (a week ago)"
+        )  # fmt: skip
     if name.startswith("merchant_risk"):
         return f"merchant fraud rate {value:.0%} over {window} (labels a week old)"
     if name.startswith("merchant_count"):

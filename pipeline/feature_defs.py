@@ -17,7 +17,7 @@ __all__ = [
 
 #: Bump when a feature's definition changes: profiles in Redis and models in the
 #: registry carry it, and a mismatch is refused rather than silently mis-scored.
-FEATURE_SET_VERSION = "fs1"
+FEATURE_SET_VERSION = "fs2"
 
 DAY_S = 86400.0
 PROFILE_WINDOWS_DAYS = (1, 7, 30)
@@ -49,6 +49,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "merchant_risk_1d",
     "merchant_risk_7d",
     "merchant_risk_30d",
+    "merchant_last_label",
     "velocity_count_10m",
     "velocity_count_1h",
     "velocity_count_24h",

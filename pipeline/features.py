@@ -134,6 +134,11 @@ class MerchantRisk:
     risk_1d: float
     risk_7d: float
     risk_30d: float
+    last_label: float
+    """The label of the merchant's latest known transaction (1.0: fraud; ties: any
+    fraud among those sharing its time). A terminal stays compromised for weeks,
+    so "its last known transaction was a fraud" says more about today than a
+    30-day rate diluted by the weeks before the compromise."""
     as_of: float
 
     def to_mapping(self) -> dict[str, str]:
@@ -151,6 +156,7 @@ class MerchantRisk:
             risk_1d=float(get["risk_1d"]),
             risk_7d=float(get["risk_7d"]),
             risk_30d=float(get["risk_30d"]),
+            last_label=float(get["last_label"]),
             as_of=float(get["as_of"]),
         )
 
@@ -229,11 +235,11 @@ def feature_row(
         )
         new_device = NAN if tx.device_id is None else float(tx.device_id not in profile.devices)
     if merchant is None:
-        merchant_part = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        merchant_part = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     else:
         merchant_part = [
             float(merchant.count_1d), float(merchant.count_7d), float(merchant.count_30d),
-            merchant.risk_1d, merchant.risk_7d, merchant.risk_30d,
+            merchant.risk_1d, merchant.risk_7d, merchant.risk_30d, merchant.last_label,
         ]
     return [
         amount,
@@ -362,12 +368,14 @@ def build_merchant_risk(
         grouped = window[window["ts"] >= end - days * DAY_S].groupby("merchant_id", sort=False)["label"]
         columns[f"count_{days}d"] = grouped.count()
         columns[f"risk_{days}d"] = grouped.mean()
+    latest = window["ts"].to_numpy() == window.groupby("merchant_id", sort=False)["ts"].transform("max").to_numpy()
+    columns["last_label"] = window[latest].groupby("merchant_id", sort=False)["label"].max()
     frame = pd.DataFrame(columns).fillna(0.0)
     return {
         merchant: MerchantRisk(
             count_1d=int(row.count_1d), count_7d=int(row.count_7d), count_30d=int(row.count_30d),
             risk_1d=float(row.risk_1d), risk_7d=float(row.risk_7d), risk_30d=float(row.risk_30d),
-            as_of=float(as_of),
+            last_label=float(row.last_label), as_of=float(as_of),
         )
         for merchant, row in zip(frame.index, frame.itertuples(index=False))
     }

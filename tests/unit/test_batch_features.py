@@ -73,6 +73,8 @@ def test_vectorised_features_equal_the_serving_code_row_by_row(seed: int) -> Non
     assert (fast[steady, FEATURE_NAMES.index("user_std_30d")] == 0).any()
     old = (fast_rows["user_id"] == "old").to_numpy()
     assert fast[old, FEATURE_NAMES.index("account_age_days")][0] > 100
+    last_label = fast[:, FEATURE_NAMES.index("merchant_last_label")]
+    assert (last_label == 1).any() and (last_label == 0).any()
 
 
 def test_equal_on_local_time_and_without_labels() -> None:

@@ -27,6 +27,8 @@ def row(**values: float) -> list[float]:
         ("velocity_sum_1h", {"velocity_sum_1h": 1234.5}, "1,234.50 USD spent in the last hour"),
         ("log_amount", {"amount_usd": 950.0}, "amount 950.00 USD"),
         ("is_night", {"is_night": 1.0}, "night-time transaction"),
+        ("merchant_last_label", {"merchant_last_label": 1.0},
+         "merchant's latest known transaction was a fraud (a week ago)"),
     ],
 )
 def test_reasons_read_like_sentences(name: str, values: dict[str, float], words: str) -> None:

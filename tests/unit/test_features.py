@@ -102,6 +102,33 @@ def test_merchant_risk_respects_the_label_delay() -> None:
     risk = build_merchant_risk(prepare_history(df), D0)["m"]
     assert risk.count_30d == 2 and risk.risk_30d == 0.5
     assert risk.count_1d == 0  # the window ends 7 days before D0
+    assert risk.last_label == 0.0  # "b", the latest known; "c" is not known yet
+
+
+def test_merchant_last_label_is_the_latest_known_transactions_in_both_paths() -> None:
+    """A terminal compromised 9 days ago: its latest known transaction was a
+    fraud, though its 30-day rate is diluted by the weeks before. Ties at the
+    latest time count as a fraud if any of them was one."""
+    rows = [
+        ("a1", "u1", 10.0, "ma", "d", 48.0, 11.0, D0 - 25 * DAY_S, 0),
+        ("a2", "u1", 10.0, "ma", "d", 48.0, 11.0, D0 - 20 * DAY_S, 0),
+        ("a3", "u2", 10.0, "ma", "d", 48.0, 11.0, D0 - 8.5 * DAY_S, 1),
+        ("a4", "u3", 10.0, "ma", "d", 48.0, 11.0, D0 - 3 * DAY_S, 0),  # within the delay: unknown
+        ("b1", "u1", 10.0, "mb", "d", 48.0, 11.0, D0 - 20 * DAY_S, 1),
+        ("b2", "u2", 10.0, "mb", "d", 48.0, 11.0, D0 - 9 * DAY_S, 0),
+        ("c1", "u1", 10.0, "mc", "d", 48.0, 11.0, D0 - 12 * DAY_S, 0),
+        ("c2", "u2", 10.0, "mc", "d", 48.0, 11.0, D0 - 12 * DAY_S, 1),  # same time as c1
+        ("c3", "u3", 10.0, "mc", "d", 48.0, 11.0, D0 - 12 * DAY_S, 0),
+        ("d1", "u1", 10.0, "md", "d", 48.0, 11.0, D0 - 40 * DAY_S, 1),  # older than the 30-day window
+        *[(f"q{m}", "u9", 10.0, m, "d", 48.0, 11.0, D0 + 3600.0, 0) for m in ("ma", "mb", "mc", "md")],
+    ]
+    history = prepare_history(frame(rows))
+    risk = build_merchant_risk(history, D0)
+    assert {m: risk[m].last_label for m in ("ma", "mb", "mc")} == {"ma": 1.0, "mb": 0.0, "mc": 1.0}
+    assert risk["ma"].risk_30d == 1 / 3 and "md" not in risk
+    x, _, served = training_matrix(history, D0, D0 + DAY_S)
+    got = dict(zip(served["merchant_id"], x[:, F["merchant_last_label"]]))
+    assert got == {"ma": 1.0, "mb": 0.0, "mc": 1.0, "md": 0.0}
 
 
 def test_training_features_never_see_the_future() -> None:
