@@ -30,6 +30,12 @@ KNOBS: dict[str, dict[str, str]] = {
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
     "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},
     "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
+    # Fewer partitions per worker: each batch commits one transaction per input
+    # partition it holds records of (app/transactional.py), so this is the
+    # transaction count per decision at a fixed rate.
+    "partitions_4": {"FRAUD_PARTITIONS": "4"},
+    "partitions_2": {"FRAUD_PARTITIONS": "2"},
+    "partitions_1": {"FRAUD_PARTITIONS": "1"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     "workers_2": {},
