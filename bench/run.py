@@ -843,7 +843,9 @@ def prepare(svc: Services) -> dict[str, Any]:
         step("simulate", *SIMULATE_ARGS, "--out", str(DATA), "--quiet")
     registry = Settings().registry_dir
     registry = registry if registry.is_absolute() else REPO / registry
-    if not (registry / "CURRENT").exists():
+    from models.lifecycle import serving_problem
+
+    if serving_problem(registry)[1]:  # nothing serves, or nothing this code can load
         step("train", "--data", str(DATA), "--quiet", "--serve-if-none")
     step("materialize", "--data", str(DATA), "--quiet")
     done["model"] = (registry / "CURRENT").read_text().strip()

@@ -158,3 +158,17 @@ def _current_or_none(registry: Path) -> str | None:
         return current_version(registry)
     except ModelNotFound:
         return None
+
+
+def serving_problem(registry: Path) -> tuple[str | None, str | None]:
+    """(the serving version, why a worker would refuse it): (None, reason) when
+    nothing serves, (V, None) when V serves and loads with this code."""
+    version = _current_or_none(registry)
+    if version is None:
+        return None, f"no version serves in {registry}"
+    try:
+        _checked(registry, version)
+    except ModelError as exc:
+        return version, str(exc)
+    return version, None
+

@@ -141,9 +141,14 @@ def _serve_or_say(registry: Path, version: str, serve_if_none: bool) -> None:
         serving: str | None = current_version(registry)
     except ModelNotFound:
         serving = None
-    if serving is None and serve_if_none:
-        entry = lifecycle.promote(registry, version, reason="first model in this registry (train --serve-if-none)")
-        print(f"promoted {version}: nothing served before (logged: {json.dumps(entry)})")
+    unservable = lifecycle.serving_problem(registry)[1] if serving is not None else None
+    if serve_if_none and (serving is None or unservable):
+        # A version this code refuses (another feature set, a bad checksum) serves
+        # nothing: every worker would refuse to start on it.
+        reason = ("first model in this registry" if serving is None
+                  else f"the serving {serving} cannot be served by this code: {unservable}")  # fmt: skip
+        entry = lifecycle.promote(registry, version, reason=f"{reason} (train --serve-if-none)")
+        print(f"promoted {version}: {reason} (logged: {json.dumps(entry)})")
     elif serving is None:
         print(f"not serving: nothing serves yet; `fraud-pipeline models promote {version}` makes it serve")
     else:
@@ -189,6 +194,14 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"fraud-pipeline models {args.action}: give the version: `fraud-pipeline models {args.action} {what}` "
               "(`fraud-pipeline models list` shows them)", file=sys.stderr)  # fmt: skip
         return 2
+    if args.action == "check":
+        # What a worker does at start: the serving version, its checksums and feature set.
+        version, problem = lifecycle.serving_problem(registry)
+        if problem:
+            print(f"fraud-pipeline models check: {problem}", file=sys.stderr)
+            return 1
+        print(f"{version} serves and loads with this code")
+        return 0
     if args.action == "promote":
         entry = lifecycle.promote(registry, args.version, by=args.by, reason=args.reason)
     elif args.action == "rollback":
@@ -515,17 +528,18 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                         "full = every grid entry over --folds folds")
     p.add_argument("--folds", type=int, default=3, help="--search full: validation folds, each a week further back")
     p.add_argument("--serve-if-none", action="store_true",
-                   help="if no version serves yet (a fresh registry), promote this one (logged); "
-                        "otherwise training never changes what serves")
+                   help="if no version serves yet (a fresh registry), or the serving one cannot be "
+                        "served by this code (`models check`), promote this one (logged); otherwise "
+                        "training never changes what serves")
     p.set_defaults(func=cmd_train)
 
 
 def _add_lifecycle_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """models, rules, report: what serves, and how well it decides."""
-    p = sub.add_parser("models", help="list, promote, roll back or shadow model versions",
-                       description="models list | models promote VERSION | models rollback | "
+    p = sub.add_parser("models", help="list, check, promote, roll back or shadow model versions",
+                       description="models list | models check | models promote VERSION | models rollback | "
                                    "models shadow VERSION | models shadow off")  # fmt: skip
-    p.add_argument("action", choices=["list", "promote", "rollback", "shadow"])
+    p.add_argument("action", choices=["list", "check", "promote", "rollback", "shadow"])
     p.add_argument("version", nargs="?", help="promote/shadow: the version; `shadow off` stops the shadow")
     p.add_argument("--by", help="who (default $USER)")
     p.add_argument("--reason", help="recorded with the change")

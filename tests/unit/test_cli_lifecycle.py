@@ -91,6 +91,32 @@ def test_models_commands_refuse_what_would_change_nothing(env: dict[str, Any], c
     assert lifecycle.history(env["registry"]) == before
 
 
+def test_a_serving_version_this_code_cannot_load_is_replaced_only_by_serve_if_none(
+    env: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a feature-set change the serving version would stop every worker:
+    `models check` says so, and `train --serve-if-none` (make demo, make bench)
+    promotes the new version with the reason logged; plain training still does not."""
+    from tools.cli import _serve_or_say
+
+    registry, first, second = env["registry"], env["first"], env["second"]
+    rc, out, _ = _run(capsys, "models", "check")
+    assert rc == 0 and f"{first} serves and loads with this code" in out
+    manifest = read_manifest(registry, first)
+    manifest["feature_set"] = "fs0"
+    (registry / first / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = _run(capsys, "models", "check")
+    assert rc == 1 and "feature set 'fs0'" in err
+    _serve_or_say(registry, second, serve_if_none=False)
+    assert current_version(registry) == first and "still serves" in capsys.readouterr().out
+    _serve_or_say(registry, second, serve_if_none=True)
+    assert current_version(registry) == second
+    entry = lifecycle.history(registry)[-1]
+    assert entry["action"] == "promote" and entry["previous"] == first
+    assert "cannot be served by this code" in entry["reason"] and "fs0" in entry["reason"]
+    assert _run(capsys, "models", "check")[0] == 0
+
+
 def test_models_list_on_an_empty_registry_says_it_is_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
