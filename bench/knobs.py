@@ -36,6 +36,11 @@ KNOBS: dict[str, dict[str, str]] = {
     "partitions_4": {"FRAUD_PARTITIONS": "4"},
     "partitions_2": {"FRAUD_PARTITIONS": "2"},
     "partitions_1": {"FRAUD_PARTITIONS": "1"},
+    # A longer batch window: fewer, fuller batches at low and middle rates (each
+    # batch pays the model call, the Redis script and a transaction whatever its size).
+    "window_25ms": {"FRAUD_BATCH_WINDOW_S": "0.025"},
+    "window_50ms": {"FRAUD_BATCH_WINDOW_S": "0.05"},
+    "partitions_1_window_25ms": {"FRAUD_PARTITIONS": "1", "FRAUD_BATCH_WINDOW_S": "0.025"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     "workers_2": {},

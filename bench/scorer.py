@@ -39,7 +39,13 @@ def _settings(redis_url: str) -> Settings:
     return Settings(redis_url=redis_url, redis_cluster=False)
 
 
-async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str) -> list[dict[str, Any]]:
+async def run(
+    sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str,
+    paths: tuple[str, ...] = ("merged",), rounds: int = 1,
+) -> list[dict[str, Any]]:
+    """``paths``: how a stacked model predicts — "merged" (one booster, as served)
+    or "members" (one predict call per member, as before merging); with several,
+    each batch size runs them alternately, ``rounds`` times each (an A/B in one process)."""
     source = LiveTransactions(_population(data), seed=3, fraud_rate=0.01)
     # The worker's client, with a batch job's timeout: this measures the cost, not the budget.
     client = async_client(_settings(redis_url), timeout_s=BATCH_TIMEOUT_S, max_connections=8)
@@ -51,8 +57,12 @@ async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_
         model_budget_s=1.0,  # the cost, not the budget, is measured here
     )
     await scorer.warm_up()
+    model = scorer.model
+    merged = getattr(model, "merged", None)
     results = []
-    for size in sizes:
+    for size, path, rnd in ((z, p, r) for z in sizes for r in range(rounds) for p in paths):
+        if model is not None and hasattr(model, "merged"):
+            model.merged = merged if path == "merged" else None
         walls, cpus = [], []
         stages: defaultdict[str, list[float]] = defaultdict(list)
         for i in range(batches + 3):
@@ -71,6 +81,8 @@ async def run(sizes: list[int], batches: int, data: Path, registry: Path, redis_
                     stages[stage].append(ms)
         row = {
             "batch": size,
+            "model_path": path if merged is not None else "members (not stacked)",
+            "round": rnd + 1,
             "wall_ms_p50": round(statistics.median(walls), 2),
             "cpu_ms_per_batch_p50": round(statistics.median(cpus), 2),
             "cpu_ms_per_tx": round(statistics.median(cpus) / size, 3),
@@ -88,15 +100,25 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=60)
     parser.add_argument("--data", type=Path, default=Path("data/transactions.parquet"))
     parser.add_argument("--registry", type=Path, default=Path("models/registry"))
+    parser.add_argument("--paths", nargs="+", choices=["merged", "members"], default=["merged"],
+                        help="how a stacked model predicts; several: an A/B, alternating")
+    parser.add_argument("--rounds", type=int, default=1, help="repeats of each path per batch size")
+    parser.add_argument("--out", type=Path, help="also write the rows (JSON) here")
     args = parser.parse_args()
     import pandas as pd
 
     handle = stack.start_redis(workdir=Path(".stack/bench-scorer"))
     try:
         materialize(pd.read_parquet(args.data), sync_client(_settings(handle.url)), progress=False)
-        asyncio.run(run(args.sizes, args.batches, args.data, args.registry, handle.url))
+        rows = asyncio.run(run(args.sizes, args.batches, args.data, args.registry, handle.url,
+                               tuple(args.paths), args.rounds))  # fmt: skip
     finally:
         handle.stop()
+    if args.out:
+        from bench.run import machine_info
+
+        args.out.write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,22 @@ def test_reasons_only_for_rows_at_or_above_the_threshold_and_scores_match_xgboos
     np.testing.assert_allclose(everything.scores, 1 / (1 + np.exp(-log_odds)), rtol=1e-5, atol=1e-6)
 
 
+def test_a_stacked_version_serves_from_one_merged_booster_with_the_members_reasons(trained_registry: Path) -> None:
+    """Scores come from one booster holding every member's trees (one predict
+    call per batch, not one per member); the test above holds its scores to the
+    members' own margins, this its contributions to theirs."""
+    model = load_ensemble(trained_registry)
+    assert model.merged is not None
+    trees = sum(len(model.members[i].booster.get_dump()) for i in model.active)
+    assert len(model.merged.get_dump()) == trees
+    batch = np.random.default_rng(11).random((64, len(FEATURE_NAMES)), dtype=np.float32) * 100
+    batch[::5, FEATURE_NAMES.index("new_device")] = np.nan
+    merged = model.contributions(batch)
+    per_member = model.contributions(batch, merged=False)
+    assert np.abs(per_member).max() > 0.1
+    np.testing.assert_allclose(merged, per_member, atol=1e-5)
+
+
 def test_a_version_saved_before_stacking_loads_and_scores_as_the_weighted_mean(
     trained_registry: Path, tmp_path: Path
 ) -> None:
