@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.run import BATCHED, DATA, QUICK_PLAN, Bench, Phase, Worker, prepare, services
+from bench.run import BATCHED, DATA, QUICK_PLAN, REPO, Bench, Phase, Worker, prepare, services
 
 #: name -> environment overrides (FRAUD_* settings)
 KNOBS: dict[str, dict[str, str]] = {
@@ -47,6 +47,14 @@ KNOBS: dict[str, dict[str, str]] = {
     "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
 }
 WORKERS = {"workers_2": 2, "workers_2_score": 2}
+
+
+def _relative(path: Path) -> str:
+    """Results are committed: the data file as the repository names it, not this machine's path."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return path.name
 
 
 def main() -> None:
@@ -89,7 +97,7 @@ def main() -> None:
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
             row = {**({"label": args.label} if args.label else {}), "knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
-                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": str(DATA),
+                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": _relative(DATA),
                    # the rest of the machine: a setting can move cost to the broker
                    "broker_cpu_pct": run.get("other_cpu_pct", {}).get("broker"),
                    "loadgen_cpu_pct": run.get("other_cpu_pct", {}).get("loadgen")}  # fmt: skip
