@@ -94,13 +94,13 @@ $BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --publ
 
 echo "== 2/5 data and model"
 [[ -f $DATA ]] || $BIN/fraud-pipeline simulate --users 2000 --merchants 4000 --days 45 --out "$DATA"
-if ! $BIN/fraud-pipeline models check; then
+if ! $BIN/fraud-pipeline models check >/dev/null 2>&1; then
   # The first model of a fresh registry (or the first this code can serve, after a
   # feature-set change) is promoted here, visibly: the promotion is logged in
   # promotions.jsonl; later trainings only register (models promote serves).
   $BIN/fraud-pipeline train --data "$DATA" --serve-if-none
 else
-  echo "(\`fraud-pipeline models list\`; train registers a new version, \`models promote\` serves it)"
+  echo "model $(cat "$FRAUD_REGISTRY_DIR/CURRENT") serves (\`fraud-pipeline models list\`; train registers a new one, \`models promote\` serves it)"
 fi
 
 echo "== 3/5 materialize features into Redis$([[ $SECURE == 1 ]] && echo ' (Redis user materialize)')"
