@@ -32,7 +32,7 @@ from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 from app.settings import Settings
 from app.topics import kafka_auth
 from pipeline.auth import sign
-from tests.integration.workers import Topics, TxFactory, Workers, tx_msg, worker_env
+from tests.integration.workers import Topics, TxFactory, Workers, produce_one, tx_msg, worker_env
 from tools import kafka_acls, kafka_secure, stack
 from tools.kafka_acls import acls
 
@@ -67,16 +67,6 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
         yield SecureBroker(workdir, handle.url)
     finally:
         handle.stop()
-
-
-async def _produce(bootstrap: str, opts: dict[str, Any], topic: str, value: bytes) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, request_timeout_ms=10_000, **opts)
-    await producer.start()
-    try:
-        async with asyncio.timeout(20):
-            await producer.send_and_wait(topic, value, key=b"k")
-    finally:
-        await producer.stop()
 
 
 async def _fetch(bootstrap: str, opts: dict[str, Any], topic: str) -> Any:
@@ -172,7 +162,7 @@ def test_a_feedback_worker_runs_on_its_own_credentials(
         worker = workers.start()
         asyncio.run(worker.wait_for_log("Ready", 120))
         label = orjson.dumps({"transaction_id": "t-secure-fb-1", "label": "legit", "source": "analyst"})
-        asyncio.run(_produce(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_labels, label))
+        asyncio.run(produce_one(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_labels, label))
         time.sleep(5)
         assert worker.alive(), worker.log()
         assert "AuthorizationFailed" not in worker.text(), worker.log()
@@ -256,7 +246,7 @@ def test_a_role_cannot_write_what_its_row_does_not_grant_and_leaves_nothing(
     nothing was appended, not even an aborted record."""
     before = asyncio.run(_end_offsets(secure, topic))
     with pytest.raises(TopicAuthorizationFailedError):
-        asyncio.run(_produce(secure.bootstrap, secure.opts(user), topic, b'{"action": "approve"}'))
+        asyncio.run(produce_one(secure.bootstrap, secure.opts(user), topic, b'{"action": "approve"}'))
     assert asyncio.run(_end_offsets(secure, topic)) == before
 
 
@@ -287,7 +277,7 @@ def test_a_payment_client_cannot_read_feedback(secure: SecureBroker) -> None:
 def test_the_analyst_writes_labels(secure: SecureBroker) -> None:
     before = asyncio.run(_end_offsets(secure, DEFAULTS.topic_labels))
     label = orjson.dumps({"transaction_id": "t-analyst-1", "label": "fraud", "source": "analyst"})
-    asyncio.run(_produce(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_labels, label))
+    asyncio.run(produce_one(secure.bootstrap, secure.opts("analyst"), DEFAULTS.topic_labels, label))
     assert sum(asyncio.run(_end_offsets(secure, DEFAULTS.topic_labels)).values()) == sum(before.values()) + 1
 
 

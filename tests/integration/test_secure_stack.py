@@ -21,10 +21,10 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
-from aiokafka.structs import OffsetAndMetadata
 
 from app.settings import Settings
 from app.topics import kafka_auth
+from tests.integration.workers import commit_offset, produce_one
 from tools import kafka_secure, stack
 from tools.replay import read_labels
 
@@ -69,16 +69,6 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
 def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-
-
-async def _produce(settings: Settings, topic: str, value: bytes) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
-    await producer.start()
-    try:
-        async with asyncio.timeout(20):
-            await producer.send_and_wait(topic, value, key=b"k")
-    finally:
-        await producer.stop()
 
 
 # --- the stack ------------------------------------------------------------------------------
@@ -128,7 +118,7 @@ def test_a_role_reaches_redis_with_its_own_user(secure: SecureStack) -> None:
 def test_replay_reads_feedback_and_labels_as_the_analyst(secure: SecureStack) -> None:
     analyst = secure.settings("analyst")
     label = {"transaction_id": "t-replay-1", "label": "fraud", "source": "analyst", "labeled_at": "2026-01-02T03:04:05+00:00"}
-    asyncio.run(_produce(analyst, S.topic_labels, orjson.dumps(label)))
+    asyncio.run(produce_one(analyst.kafka_bootstrap, kafka_auth(analyst), S.topic_labels, orjson.dumps(label)))
     assert "t-replay-1" in {lb.transaction_id for lb in read_labels(analyst)}
     # The command an analyst runs: feedback and labels from offset 0.
     done = cli(["report", "quality", "--replay", "--json"], secure.process_env("analyst"))
@@ -155,15 +145,7 @@ def test_scale_advise_from_the_broker_runs_as_the_operator_who_reads_no_record(s
                 await producer.send_and_wait(S.topic_transactions, b"{}", partition=0)
         finally:
             await producer.stop()
-        consumer = AIOKafkaConsumer(bootstrap_servers=scoring.kafka_bootstrap, group_id=S.app_id,
-                                    enable_auto_commit=False, **kafka_auth(scoring))  # fmt: skip
-        await consumer.start()
-        try:
-            tp = TopicPartition(S.topic_transactions, 0)
-            consumer.assign([tp])
-            await consumer.commit({tp: OffsetAndMetadata(2, "")})
-        finally:
-            await consumer.stop()
+        await commit_offset(scoring.kafka_bootstrap, kafka_auth(scoring), S.app_id, S.topic_transactions, 2)
 
     asyncio.run(commit_as_the_workers())
     done = cli(["scale", "advise", "--from-broker", "--interval", "1", "--capacity-tps", "1", "--json"],
@@ -185,15 +167,7 @@ def test_scale_advise_from_the_broker_runs_as_the_operator_who_reads_no_record(s
             await consumer.stop()
 
     async def reset_the_group() -> None:
-        consumer = AIOKafkaConsumer(bootstrap_servers=operator.kafka_bootstrap, group_id=S.app_id,
-                                    enable_auto_commit=False, **kafka_auth(operator))  # fmt: skip
-        await consumer.start()
-        try:
-            tp = TopicPartition(S.topic_transactions, 0)
-            consumer.assign([tp])
-            await consumer.commit({tp: OffsetAndMetadata(5, "")})
-        finally:
-            await consumer.stop()
+        await commit_offset(operator.kafka_bootstrap, kafka_auth(operator), S.app_id, S.topic_transactions, 5)
 
     with pytest.raises(TopicAuthorizationFailedError):
         asyncio.run(read_a_payment())

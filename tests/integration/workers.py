@@ -324,6 +324,31 @@ def make_producer(bootstrap: str, **options: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, **options)
 
 
+async def produce_one(bootstrap: str, opts: dict[str, Any], topic: str, value: bytes) -> None:
+    """One record, acknowledged, by a client with ``opts`` (credentials, TLS); raises what the broker refused."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, request_timeout_ms=10_000, **opts)
+    await producer.start()
+    try:
+        async with asyncio.timeout(20):
+            await producer.send_and_wait(topic, value, key=b"k")
+    finally:
+        await producer.stop()
+
+
+async def commit_offset(bootstrap: str, opts: dict[str, Any], group: str, topic: str, offset: int) -> None:
+    """Commit ``offset`` for partition 0 of ``topic`` in ``group``, as the client ``opts`` names."""
+    from aiokafka.structs import OffsetAndMetadata
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False, **opts)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.commit({tp: OffsetAndMetadata(offset, "")})
+    finally:
+        await consumer.stop()
+
+
 async def send_all(producer: AIOKafkaProducer, topic: str, messages: Iterable[Msg]) -> list[Any]:
     """Enqueue every message, then await every delivery; returns the record metadata
     (or the exception, for a message the producer or broker refused)."""
