@@ -225,6 +225,7 @@ def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetr
         group_id=settings.app_id,  # faust's consumer group
         topic=settings.topic_transactions,
         producer_options=producer_options(settings),
+        scope=settings.transaction_scope,
     )
     commits = TransactionCommits(
         app,

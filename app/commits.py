@@ -27,6 +27,11 @@ __all__ = ["TransactionCommits"]
 
 log = logging.getLogger(__name__)
 
+#: How long a new owner waits for the previous owner's open transaction to end
+#: before its offsets can be read (the broker aborts it after the transaction
+#: timeout, app/transactional.py); past it the assignment is tried again.
+STABLE_OFFSETS_GIVE_UP_S = 30.0
+
 #: Attempts at a partition's transaction before the worker exits (code 75)
 #: without committing, so that the batch is consumed again after a restart.
 COMMIT_ATTEMPTS = 5
@@ -60,6 +65,8 @@ class TransactionCommits:
         # Partitions assigned but whose committed offsets are not read yet: read
         # by the agent before its next batch, outside faust's rebalance callback.
         self._pending_assignment: set[Any] | None = None
+        #: (generation id, member id) of that assignment, under transaction scope ``batch``.
+        self._pending_membership: tuple[int, str] | None = None
         #: A group-less consumer of our own that reads the log where a hole appeared.
         self._reader: AIOKafkaConsumer | None = None
 
@@ -75,6 +82,8 @@ class TransactionCommits:
     async def on_assigned(self, assigned: Iterable[Any]) -> None:
         self.progress.revoke()  # nothing of an earlier assignment survives
         self._pending_assignment = {tp for tp in assigned if tp.topic == self.topic}
+        if self.emitter.scope == "batch":  # the generation every offset of this assignment is committed in
+            self._pending_membership = seams.group_membership(self.app)
 
     # --- the agent's side ---------------------------------------------------------------------
 
@@ -82,10 +91,12 @@ class TransactionCommits:
         """The events to score now; seeks partitions back over records that never arrived."""
         tps = self._pending_assignment
         if tps is not None:
-            # First fence the previous owners (a new producer epoch per partition),
-            # then read the offsets: whatever they committed is in them by then.
-            # If either fails, the assignment stays pending for the next batch.
-            await self.emitter.assign(tp.partition for tp in tps)
+            # First fence the previous owners (scope "partition": a new producer
+            # epoch per partition), then read the offsets, waiting out any open
+            # transaction that holds some (require_stable): whatever they
+            # committed is in them by then. If either fails, the assignment
+            # stays pending for the next batch.
+            await self.emitter.assign((tp.partition for tp in tps), self._pending_membership)
             positions = await self._read_positions(tps)
             if self._pending_assignment is tps:  # no newer rebalance meanwhile
                 self._pending_assignment = None
@@ -269,13 +280,17 @@ class TransactionCommits:
 
     async def _read_positions(self, tps: set[Any]) -> dict[Any, int]:
         """The group's committed offset of each partition, else the log start
-        (``auto_offset_reset=earliest``)."""
+        (``auto_offset_reset=earliest``); stable offsets only (see above)."""
 
         async def read(consumer: Any) -> dict[Any, int]:
             out: dict[Any, int] = {}
             missing = []
+            committed = await seams.fetch_stable_offsets(
+                consumer, self.emitter.group_id, [TopicPartition(tp.topic, tp.partition) for tp in tps],
+                give_up_s=STABLE_OFFSETS_GIVE_UP_S,
+            )  # fmt: skip
             for tp in tps:
-                offset = await consumer.committed(TopicPartition(tp.topic, tp.partition))
+                offset = committed.get(TopicPartition(tp.topic, tp.partition))
                 if offset is None or offset < 0:
                     missing.append(tp)
                 else:

@@ -30,6 +30,13 @@ The seams:
   ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
 - :func:`admin_request`: aiokafka's ``AIOKafkaAdminClient._send_request``
   (CreateAcls has a request class but no public admin method).
+- :func:`install_group_fenced_offset_commits`: replaces aiokafka's
+  ``producer.sender.TxnOffsetCommitHandler`` (TxnOffsetCommit v3 with the
+  group generation, KIP-447) and wraps ``TransactionManager.error_transaction``
+  (so that an abort after an abortable error reaches the broker).
+- :func:`group_membership` and :func:`fetch_stable_offsets`: aiokafka's
+  ``AIOKafkaConsumer._coordinator`` (generation, member id, and requests to the
+  group coordinator: OffsetFetch with ``require_stable``).
 - :func:`send_raw`: faust's transport ``Producer.send``, called with its six
   positional parameters (public, but positional: a reordering would swap
   fields silently).
@@ -55,6 +62,9 @@ __all__ = [
     "consumer_flowing",
     "faust_committed_offsets",
     "faust_partition_flags",
+    "fetch_stable_offsets",
+    "group_membership",
+    "install_group_fenced_offset_commits",
     "install_read_committed",
     "on_consumer_thread",
     "send_raw",
@@ -316,3 +326,178 @@ async def send_raw(producer: Any, topic: str, key: bytes | None, value: bytes) -
     """
     result: Awaitable[Any] = await producer.send(topic, key, value, None, None, None)
     return result
+
+
+# --- the group-generation fence of transactional offsets (KIP-447) ------------------------------
+
+
+def install_group_fenced_offset_commits() -> None:
+    """Make aiokafka's transactional producers send their offsets as
+    TxnOffsetCommit v3, with the group generation and member id of a
+    :class:`app.group_fencing.GroupMember` group id, and treat the group
+    coordinator's refusal as the end of the transaction, not of the producer.
+
+    Upstream: aiokafka 0.14.0, ``aiokafka.producer.sender.TxnOffsetCommitHandler``
+    (looked up by name in ``Sender._do_txn_offset_commit``), its
+    ``create_request`` / ``handle_response``, the sender's ``_txn_manager``
+    (``transactional_id``, ``producer_id``, ``producer_epoch``,
+    ``error_transaction``).
+
+    NOTE: aiokafka builds TxnOffsetCommit v0 only (no generation: no fence but
+    the transactional id), and any error code it does not know stops the
+    producer's sender for good. A generation the group has left
+    (``ILLEGAL_GENERATION``, ``UNKNOWN_MEMBER_ID``, ``FENCED_INSTANCE_ID``) is
+    what Kafka's own client reports as an abortable ``CommitFailedException``:
+    here the transaction's offsets future fails with
+    :class:`app.group_fencing.GenerationFenced` and the producer can abort and go on.
+    tests/unit/test_seams.py and tests/integration/test_exactly_once.py fail if
+    this stops working.
+    """
+    from aiokafka.producer import sender as aiokafka_sender
+
+    _keep_aborted_transactions_abortable()
+    original = aiokafka_sender.TxnOffsetCommitHandler
+    if getattr(original, "_fraud_patched", False):
+        return
+
+    from app import group_fencing
+
+    class GroupFencedTxnOffsetCommitHandler(original):  # type: ignore[valid-type,misc]
+        _fraud_patched = True
+
+        def create_request(self) -> Any:
+            txn = self._sender._txn_manager
+            topics: dict[str, list[tuple[int, int, str]]] = {}
+            for tp, offset in sorted(self._offsets.items()):
+                topics.setdefault(tp.topic, []).append((tp.partition, offset.offset, offset.metadata))
+            return group_fencing.TxnOffsetCommitV3Request(
+                transactional_id=txn.transactional_id,
+                group_id=self._group_id,
+                producer_id=txn.producer_id,
+                producer_epoch=txn.producer_epoch,
+                topics=list(topics.items()),
+            )
+
+        def handle_response(self, resp: Any) -> Any:
+            errors = group_fencing.txn_offset_commit_errors(resp)
+            codes = {code for _topic, parts in errors for _p, code in parts}
+            if codes & group_fencing.GENERATION_FENCE_ERRORS:
+                self._sender._txn_manager.error_transaction(
+                    group_fencing.GenerationFenced(
+                        f"group {self._group_id!r} refused the offsets (error codes {sorted(codes)})"
+                    )
+                )
+                return None
+            if group_fencing.CONCURRENT_TRANSACTIONS in codes:
+                return self._default_backoff  # asked again after the backoff
+            return super().handle_response(_Errors(errors))
+
+    aiokafka_sender.TxnOffsetCommitHandler = GroupFencedTxnOffsetCommitHandler
+
+
+def _keep_aborted_transactions_abortable() -> None:
+    """Make aiokafka's abort after an abortable error reach the broker.
+
+    Upstream: aiokafka 0.14.0, ``aiokafka.producer.transaction_manager.
+    TransactionManager.error_transaction`` (its ``_txn_partitions``,
+    ``_txn_consumer_group`` and ``_transaction_waiter``), and
+    ``Sender._do_txn_commit``, which sends no EndTxn for a transaction
+    ``is_empty_transaction()`` says touched nothing.
+
+    NOTE: ``error_transaction`` forgets the partitions and the group the
+    transaction already added. The abort that must follow then ends the
+    transaction on the client only: on the broker it stays open, and the
+    producer's next transaction continues it, so its commit also commits the
+    records of the batch that was meant to be aborted (seen on Kafka 3.9 with a
+    refused generation: the old generation's decision became visible). Keeping
+    them makes the abort send EndTxn(ABORT). The failed waiter's exception is
+    marked retrieved: the caller already got it from the call that failed.
+    """
+    from aiokafka.producer.transaction_manager import TransactionManager
+
+    original = TransactionManager.error_transaction
+    if getattr(original, "_fraud_patched", False):
+        return
+
+    def error_transaction(self: Any, exc: BaseException) -> None:
+        partitions, group = set(self._txn_partitions), self._txn_consumer_group
+        original(self, exc)
+        self._txn_partitions.update(partitions)
+        self._txn_consumer_group = group
+        if self._transaction_waiter.done():
+            self._transaction_waiter.exception()
+
+    error_transaction._fraud_patched = True  # type: ignore[attr-defined]
+    TransactionManager.error_transaction = error_transaction
+
+
+class _Errors:
+    """The shape of aiokafka's v0 TxnOffsetCommit response its handler reads."""
+
+    def __init__(self, errors: list[tuple[str, list[tuple[int, int]]]]) -> None:
+        self.errors = errors
+
+
+def group_membership(app: Any) -> tuple[int, str]:
+    """(generation id, member id) of faust's consumer in its group, as of now.
+
+    Upstream: aiokafka 0.14.0, ``AIOKafkaConsumer._coordinator``
+    (``GroupCoordinator.generation`` and ``.member_id``, set when a join
+    completes), through :func:`worker_consumer`.
+
+    NOTE: read inside faust's ``on_partitions_assigned`` signal, which the
+    consumer thread awaits before it does anything else with the group
+    (faust's ``threadsafe_partitions_assigned``), so the values are the ones
+    the assignment was made in. faust keeps the generation
+    (``App.consumer_generation_id``) but not the member id.
+    """
+    coordinator = worker_consumer(app)._coordinator
+    return int(coordinator.generation), str(coordinator.member_id)
+
+
+async def fetch_stable_offsets(
+    consumer: Any, group_id: str, partitions: list[TopicPartition], *, give_up_s: float
+) -> dict[TopicPartition, int | None]:
+    """The group's committed offsets of ``partitions`` (None: none committed),
+    waiting while a transaction that holds offsets for one of them is open.
+    Run on the consumer's thread (:func:`on_consumer_thread`).
+
+    Upstream: aiokafka 0.14.0, ``AIOKafkaConsumer._coordinator`` and its
+    ``ensure_coordinator_known()``, ``coordinator_dead()`` and ``_send_req``
+    (sends a request to the group coordinator).
+
+    NOTE: aiokafka's ``committed()`` sends OffsetFetch without
+    ``require_stable`` and answers the offset before an open transaction's.
+    A new owner that started there would decide again what the previous
+    owner's transaction is about to commit.
+    """
+    import asyncio
+    import time
+
+    from aiokafka import errors as kafka_errors
+
+    from app import group_fencing
+
+    coordinator = consumer._coordinator
+    deadline = time.monotonic() + give_up_s
+    while True:
+        await coordinator.ensure_coordinator_known()
+        request = group_fencing.StableOffsetFetchRequest(group_id, [(tp.topic, tp.partition) for tp in partitions])
+        try:
+            response = await coordinator._send_req(request)
+        except kafka_errors.KafkaError as exc:
+            if not exc.retriable or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+            continue
+        offsets, errors = group_fencing.stable_offsets(response)
+        if not errors:
+            return {TopicPartition(t, p): o for (t, p), o in offsets.items()}
+        codes = set(errors.values())
+        error_type = kafka_errors.for_code(next(iter(codes - {group_fencing.UNSTABLE_OFFSET_COMMIT}), 0))
+        if error_type is kafka_errors.NotCoordinatorForGroupError:
+            coordinator.coordinator_dead()
+        retriable = codes <= {group_fencing.UNSTABLE_OFFSET_COMMIT} or getattr(error_type, "retriable", False)
+        if not retriable or time.monotonic() > deadline:
+            raise kafka_errors.KafkaError(f"offsets of group {group_id!r} not readable: error codes {sorted(codes)}")
+        await asyncio.sleep(0.05)

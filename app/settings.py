@@ -205,6 +205,13 @@ class Settings(BaseSettings):
     """Backoff of the scoring path's transactional producers before a retried
     request (app/topics.py ``producer_options`` says why it is short)."""
 
+    transaction_scope: Literal["batch", "partition"] = "batch"
+    """How the scoring worker's Kafka transactions are cut (app/transactional.py).
+    ``batch``: one transaction per micro-batch, fenced by the consumer group's
+    generation (KIP-447; brokers 2.5 and later). ``partition``: one per input
+    partition of a batch, fenced by a transactional id per partition (any
+    broker with transactions; a transaction's cost for each partition)."""
+
     session_timeout_s: float = 6.0
     """Consumer group session timeout: how long a worker that died (kill -9)
     holds its partitions before the group moves them."""

@@ -51,11 +51,26 @@ async def _committed_view(bootstrap: str, group: str, source: str, out: str) -> 
         await consumer.stop()
 
 
-def _emitter(bootstrap: str, group: str, source: str) -> TransactionalEmitter:
+def _emitter(bootstrap: str, group: str, source: str, scope: str = "partition") -> TransactionalEmitter:
     return TransactionalEmitter(
-        app_id=group, group_id=group, topic=source,
+        app_id=group, group_id=group, topic=source, scope=scope,  # type: ignore[arg-type]
         producer_options={"bootstrap_servers": bootstrap, "linger_ms": 2, "retry_backoff_ms": 5},
     )  # fmt: skip
+
+
+async def _member(bootstrap: str, group: str, source: str) -> AIOKafkaConsumer:
+    """A consumer of ``source`` in ``group`` that has joined it (it has an assignment)."""
+    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    for _ in range(100):
+        await consumer.getmany(timeout_ms=100)
+        if consumer.assignment():
+            return consumer
+    raise AssertionError("the consumer never got an assignment")
+
+
+def _membership(consumer: AIOKafkaConsumer) -> tuple[int, str]:
+    return consumer._coordinator.generation, consumer._coordinator.member_id
 
 
 def test_a_zombie_late_transaction_is_refused(kafka_bootstrap: str, unique_name: Callable[[str], str]) -> None:
@@ -199,3 +214,96 @@ def test_a_transactional_payment_client_is_decided_exactly_once_without_stalls(
     assert all(len(col.by_tx[m.transaction_id or ""]) == 1 for m in flat)
     assert not any(col.by_tx.get(m.transaction_id or "") for m in aborted)
     assert "hold no committed record" in workers.started[0].text()
+
+
+def test_one_transaction_per_batch_is_refused_once_the_group_moved_on(
+    kafka_bootstrap: str, unique_name: Callable[[str], str]
+) -> None:
+    """Scope ``batch`` (KIP-447): a worker commits both partitions' decisions and
+    offsets in one transaction under its generation. Another member joins (a
+    rebalance: a new generation); the worker, which has not seen it yet, tries
+    its next batch under the old one: the group coordinator refuses the offsets,
+    the transaction aborts, nothing of it is visible, and the worker lets the
+    partitions go. Under the new generation it commits again."""
+    group, source, out = unique_name("eos"), unique_name("eos-in"), unique_name("eos-out")
+
+    async def scenario() -> tuple[Any, ...]:
+        await _topics(kafka_bootstrap, source, out)
+        first = await _member(kafka_bootstrap, group, source)
+        worker = _emitter(kafka_bootstrap, group, source, scope="batch")
+        try:
+            await worker.assign([0, 1], _membership(first))
+            before = _membership(first)
+            one = await worker.commit({
+                0: PartitionBatch(3, [(out, b"a", b"batch 1 p0", [])]),
+                1: PartitionBatch(2, [(out, b"b", b"batch 1 p1", [])]),
+            })  # fmt: skip
+            second = await _member(kafka_bootstrap, group, source)  # the group rebalances
+            for _ in range(100):
+                await first.getmany(timeout_ms=100)
+                if _membership(first)[0] > before[0]:
+                    break
+            late = await worker.commit({0: PartitionBatch(5, [(out, b"a", b"batch 2 p0 (old generation)", [])])})
+            left = worker.partitions
+            await worker.assign(sorted(tp.partition for tp in first.assignment()), _membership(first))
+            again = await worker.commit({
+                p: PartitionBatch(9, [(out, b"c", f"batch 3 p{p}".encode(), [])])
+                for p in sorted(tp.partition for tp in first.assignment())
+            })  # fmt: skip
+            await second.stop()
+        finally:
+            await worker.close()
+            await first.stop()
+        values, offsets = await _committed_view(kafka_bootstrap, group, source, out)
+        return one, late, left, again, values, offsets
+
+    one, late, left, again, values, offsets = asyncio.run(scenario())
+    assert one == {0: None, 1: None}
+    assert isinstance(late[0], Fenced)
+    assert left == frozenset({1})  # partition 0 is let go; 1 is kept until the next assignment
+    assert again and all(r is None for r in again.values())
+    assert b"batch 2 p0 (old generation)" not in values
+    assert {b"batch 1 p0", b"batch 1 p1"} <= set(values)
+    kept = [p for p, r in again.items() if r is None]
+    assert all(offsets[p] == 9 for p in kept)
+    assert all(offsets[p] == {0: 3, 1: 2}[p] for p in {0, 1} - set(kept))
+
+
+def test_a_new_owner_reads_offsets_only_once_the_open_transaction_holding_them_ends(
+    kafka_bootstrap: str, unique_name: Callable[[str], str]
+) -> None:
+    """The previous owner's transaction holds offsets for partition 0 and is still
+    open: the new owner's read (OffsetFetch with require_stable, app/seams.py)
+    waits for it instead of answering the older offset, then sees the commit."""
+    from app.seams import fetch_stable_offsets
+
+    group, source, out = unique_name("eos"), unique_name("eos-in"), unique_name("eos-out")
+
+    async def scenario() -> tuple[dict[Any, int | None], bool, dict[Any, int | None]]:
+        await _topics(kafka_bootstrap, source, out)
+        reader = await _member(kafka_bootstrap, group, source)
+        tp = TopicPartition(source, 0)
+        old = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=unique_name("old-owner"))
+        await old.start()
+        try:
+            async with old.transaction():
+                await old.send(out, b"first", key=b"a")
+                await old.send_offsets_to_transaction({tp: 4}, group)
+            before = await fetch_stable_offsets(reader, group, [tp], give_up_s=10)
+            await old.begin_transaction()
+            await old.send(out, b"second", key=b"a")
+            await old.send_offsets_to_transaction({tp: 7}, group)
+            read = asyncio.ensure_future(fetch_stable_offsets(reader, group, [tp], give_up_s=10))
+            await asyncio.sleep(1.0)
+            waited = not read.done()
+            await old.commit_transaction()
+            after = await read
+        finally:
+            await old.stop()
+            await reader.stop()
+        return before, waited, after
+
+    before, waited, after = asyncio.run(scenario())
+    assert before == {TopicPartition(source, 0): 4}
+    assert waited
+    assert after == {TopicPartition(source, 0): 7}

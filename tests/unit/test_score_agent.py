@@ -6,10 +6,12 @@ a ``Reloader``, ``WorkerMetrics``). What stands in for the outside world:
 
 - :class:`Broker`, an in-memory Kafka for transactional producers (records
   and a group's offsets become visible only when a transaction commits; a
-  newer producer of a transactional id fences the older one), whose
+  newer producer of a transactional id fences the older one; offsets of a
+  group generation that is not the current one are refused, KIP-447), whose
   :meth:`Broker.producer` is the emitter's producer factory;
 - :class:`Consumer`, faust's consumer as ``TransactionCommits`` uses it
-  (seeks, the committed offsets read on its thread at assignment);
+  (seeks, the committed offsets read on its thread at assignment, through
+  the group coordinator's OffsetFetch v7 of :class:`Coordinator`);
 - the Scorer's in-memory feature store and decision cache, and constant models.
 
 Events are faust ``Message`` objects, as ``stream.take_events`` hands them over.
@@ -23,7 +25,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import orjson
 import pytest
@@ -37,6 +40,7 @@ from agents.reload import Reloader
 from agents.score import handle_batch
 from app.commits import TransactionCommits
 from app.contract import Transaction
+from app.group_fencing import GenerationFenced, GroupMember, OffsetFetchRequest_v7, StableOffsetFetchRequest
 from app.settings import Settings
 from app.transactional import TransactionalEmitter
 from models.lifecycle import SHADOW
@@ -61,6 +65,8 @@ class Broker:
         self.log: dict[str, list[tuple[bytes | None, bytes]]] = defaultdict(list)
         self.offsets: dict[tuple[str, int], int] = {}  # the group's committed offsets
         self.epochs: dict[str, int] = {}  # transactional id -> newest producer epoch
+        self.generation = 0  # the group's generation: each Worker.assign is a rebalance
+        self.members: set[str] = set()
         self.fail_commits = 0  # the next N commits abort (a broker error)
         self.commits = 0
         #: ("commit", partition, transaction ids) and ("cache", transaction ids), in order
@@ -103,6 +109,10 @@ class Producer:
 
     async def send_offsets_to_transaction(self, offsets: dict[Any, int], group_id: str) -> None:
         assert group_id == GROUP
+        if isinstance(group_id, GroupMember) and (
+            group_id.generation_id != self.broker.generation or group_id.member_id not in self.broker.members
+        ):  # TxnOffsetCommit v3: the coordinator refuses an older generation
+            raise GenerationFenced(f"generation {group_id.generation_id} is not {self.broker.generation}")
         self._offsets.update({(tp.topic, tp.partition): n for tp, n in offsets.items()})
 
     async def commit_transaction(self) -> None:
@@ -127,10 +137,11 @@ class Consumer:
     """faust's consumer as ``TransactionCommits`` uses it, and the aiokafka
     consumer on its thread that reads the group's committed offsets."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, member_id: str) -> None:
         self.broker = broker
         self.seeks: list[tuple[int, int]] = []
         self._thread = self
+        self._coordinator = Coordinator(broker, member_id)
 
     async def seek(self, tp: Any, offset: int) -> None:
         self.seeks.append((tp.partition, offset))
@@ -142,11 +153,35 @@ class Consumer:
     def _ensure_consumer(self) -> Consumer:
         return self
 
-    async def committed(self, tp: Any) -> int | None:
-        return self.broker.offsets.get((tp.topic, tp.partition))
-
     async def beginning_offsets(self, tps: Sequence[Any]) -> dict[Any, int]:
         return {tp: 0 for tp in tps}
+
+
+class Coordinator:
+    """The group as aiokafka's ``GroupCoordinator`` holds it, answering OffsetFetch v7."""
+
+    def __init__(self, broker: Broker, member_id: str) -> None:
+        self.broker = broker
+        self.member_id = member_id
+        self.generation = -1
+
+    def join(self) -> None:
+        """A rebalance this member took part in: the group's generation moves on."""
+        self.broker.generation += 1
+        self.broker.members.add(self.member_id)
+        self.generation = self.broker.generation
+
+    async def ensure_coordinator_known(self) -> None:
+        pass
+
+    async def _send_req(self, request: StableOffsetFetchRequest) -> Any:
+        wire = request.build(OffsetFetchRequest_v7)
+        assert wire.group_id == GROUP and wire.require_stable
+        topics = [
+            (name, [(p, self.broker.offsets.get((name, p), -1), -1, "", 0, {}) for p in parts], {})
+            for name, parts, _tags in wire.topics
+        ]
+        return SimpleNamespace(topics=topics, error_code=0)
 
 
 @dataclass
@@ -195,11 +230,18 @@ def events(partition: int, offsets: range, prefix: str = "t-agent") -> list[Even
 
 
 class Worker:
-    def __init__(self, broker: Broker, registry: Path, models: dict[str, ConstantModel], serving: str) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        registry: Path,
+        models: dict[str, ConstantModel],
+        serving: str,
+        scope: Literal["batch", "partition"] = "batch",
+    ) -> None:
         self.broker = broker
-        self.app = App(Consumer(broker))
+        self.app = App(Consumer(broker, member_id=f"member-{id(self)}"))
         emitter = TransactionalEmitter(
-            app_id=GROUP, group_id=GROUP, topic=TOPIC, producer_options={}, factory=broker.producer
+            app_id=GROUP, group_id=GROUP, topic=TOPIC, producer_options={}, factory=broker.producer, scope=scope
         )
         self.commits = TransactionCommits(self.app, TOPIC, emitter, topics=OUTPUTS)
         self.cache = RecordingCache(broker.timeline)
@@ -214,6 +256,7 @@ class Worker:
         self.metrics = WorkerMetrics(Settings())
 
     async def assign(self, *partitions: int) -> None:
+        self.app.consumer._coordinator.join()
         await self.commits.on_assigned({TP(TOPIC, p) for p in partitions})
 
     async def batch(self, batch: Sequence[Event]) -> BatchOutput | None:
@@ -247,9 +290,12 @@ def ids(decisions: Sequence[dict[str, Any]]) -> list[str]:
 # --- tests ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("scope", ["batch", "partition"])
 def test_each_admitted_event_gets_exactly_one_decision_committed_with_its_offset(
-    worker: Worker, broker: Broker
+    broker: Broker, tmp_path: Path, models: dict[str, ConstantModel], scope: Literal["batch", "partition"]
 ) -> None:
+    worker = Worker(broker, tmp_path, models, serving="v1", scope=scope)
+
     async def go() -> None:
         await worker.assign(0, 1)
         first = events(0, range(0, 4)) + events(1, range(0, 3))
@@ -262,13 +308,15 @@ def test_each_admitted_event_gets_exactly_one_decision_committed_with_its_offset
     assert sorted(ids(broker.decisions())) == sorted(expected)
     assert {d["cached"] for d in broker.decisions()} == {False}
     assert broker.offsets == {(TOPIC, 0): 5, (TOPIC, 1): 3}
-    # One transaction per input partition and batch, holding that partition's decisions.
-    partitions = [(entry[1], sorted(entry[2])) for entry in broker.timeline if entry[0] == "commit"]
-    assert partitions == [
-        ([0], [f"t-agent-0-{o}" for o in range(4)]),
-        ([1], [f"t-agent-1-{o}" for o in range(3)]),
-        ([0], ["t-agent-0-4"]),
-    ]
+    partitions = [(sorted(entry[1]), sorted(entry[2])) for entry in broker.timeline if entry[0] == "commit"]
+    if scope == "batch":  # one transaction per batch, with every partition's offsets and decisions
+        assert partitions == [([0, 1], sorted(expected[:4] + expected[5:])), ([0], ["t-agent-0-4"])]
+    else:  # one transaction per input partition and batch, holding that partition's decisions
+        assert partitions == [
+            ([0], [f"t-agent-0-{o}" for o in range(4)]),
+            ([1], [f"t-agent-1-{o}" for o in range(3)]),
+            ([0], ["t-agent-0-4"]),
+        ]
     assert worker.messages_observed() == 8
 
 
@@ -292,7 +340,7 @@ def test_decisions_reach_the_cache_only_after_their_transaction_committed(worker
 
     asyncio.run(go())
     kinds = [entry[0] for entry in broker.timeline]
-    assert kinds == ["commit", "commit", "cache"]
+    assert kinds == ["commit", "cache"]  # one transaction for both partitions, then the cache
     committed = {i for entry in broker.timeline if entry[0] == "commit" for i in entry[2]}
     assert set(broker.timeline[-1][1]) == committed == set(ids(broker.decisions()))
 
@@ -451,17 +499,20 @@ def test_the_shadow_models_verdict_is_committed_with_the_feedback(
     assert any(orjson.loads(v).get("kind") == "shadow" for _, v in broker.records("monitoring"))
 
 
+@pytest.mark.parametrize("scope", ["batch", "partition"])
 def test_a_partition_taken_over_by_another_worker_is_decided_by_that_worker_only(
-    broker: Broker, tmp_path: Path, models: dict[str, ConstantModel]
+    broker: Broker, tmp_path: Path, models: dict[str, ConstantModel], scope: Literal["batch", "partition"]
 ) -> None:
-    old = Worker(broker, tmp_path, models, serving="v1")
-    new = Worker(broker, tmp_path, models, serving="v1")
+    """The old owner missed the rebalance (a long pause): under ``batch`` the
+    group's generation moved on, under ``partition`` its producer's epoch did."""
+    old = Worker(broker, tmp_path, models, serving="v1", scope=scope)
+    new = Worker(broker, tmp_path, models, serving="v1", scope=scope)
     batch = events(0, range(0, 3))
 
     async def go() -> None:
         await old.assign(0)
         await old.batch(batch[:1])
-        await new.assign(0)  # its first batch fences the old owner's producer of partition 0
+        await new.assign(0)  # a new generation; under "partition" its first batch fences the old producer
         await new.batch(batch[1:])
         await old.batch(batch[1:])  # the old owner had fetched these already: fenced, nothing visible
         assert old.commits.progress.assigned == frozenset()  # it lets the partition go

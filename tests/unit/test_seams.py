@@ -304,3 +304,54 @@ def test_admin_request_is_the_helper_every_public_admin_method_uses() -> None:
 
     assert asyncio.run(seams.admin_request(Admin(), "req")) == "response"
     assert sent == ["req"]
+
+
+def test_offset_commits_are_sent_as_v3_with_the_generation_of_a_group_member() -> None:
+    """The handler aiokafka's sender looks up by name builds TxnOffsetCommit v3
+    with the generation and member id of a GroupMember group id, and a refused
+    generation makes the transaction abortable (not the producer fatal)."""
+    from aiokafka.producer import sender as aiokafka_sender
+    from aiokafka.producer.transaction_manager import TransactionManager, TransactionState
+    from aiokafka.structs import OffsetAndMetadata
+
+    from app.group_fencing import GenerationFenced, GroupMember, TxnOffsetCommitRequest_v3, TxnOffsetCommitResponse_v3
+
+    seams.install_group_fenced_offset_commits()
+    assert "TxnOffsetCommitHandler(self" in inspect.getsource(aiokafka_sender.Sender._do_txn_offset_commit)
+
+    async def scenario() -> tuple[Any, Any, BaseException | None, set[Any]]:
+        txn = TransactionManager("t-id", 10_000)
+        txn.set_pid_and_epoch(7, 3)
+        txn.begin_transaction()
+        tp = TopicPartition("transactions", 0)
+        txn.maybe_add_partition_to_txn(TopicPartition("decisions", 1))
+        txn.partition_added(TopicPartition("decisions", 1))
+        group = GroupMember("g", 5, "member-1")
+        fut = txn.add_offsets_to_txn({tp: OffsetAndMetadata(12, "")}, group)
+        txn.consumer_group_added(group)
+        sender = SimpleNamespace(_txn_manager=txn, _retry_backoff=0.01)
+        handler = aiokafka_sender.TxnOffsetCommitHandler(sender, {tp: OffsetAndMetadata(12, "")}, group)
+        wire = handler.create_request().build(TxnOffsetCommitRequest_v3)
+        refused = TxnOffsetCommitResponse_v3(0, [("transactions", [(0, 22, {})], {})], {})
+        assert handler.handle_response(refused) is None
+        error = fut.exception()
+        return wire, txn.state, error, set(txn.txn_partitions)
+
+    wire, state, error, partitions = asyncio.run(scenario())
+    assert (wire.generation_id, wire.member_id, wire.group_id) == (5, "member-1", "g")
+    assert wire.topics == [("transactions", [(0, 12, -1, "", {})], {})]
+    assert state == TransactionState.ABORTABLE_ERROR
+    assert isinstance(error, GenerationFenced)
+    # What the transaction touched is kept, so that its abort reaches the broker.
+    assert partitions == {TopicPartition("decisions", 1)}
+
+
+def test_group_membership_reads_aiokafka_s_coordinator() -> None:
+    from aiokafka.consumer.group_coordinator import GroupCoordinator
+
+    init = inspect.getsource(GroupCoordinator.__init__)
+    assert "self.generation" in init and "self.member_id" in init
+    assert "async def _send_req" in inspect.getsource(GroupCoordinator)
+    consumer = SimpleNamespace(_coordinator=SimpleNamespace(generation=4, member_id="m-4"))
+    app = SimpleNamespace(consumer=SimpleNamespace(_thread=SimpleNamespace(_ensure_consumer=lambda: consumer)))
+    assert seams.group_membership(app) == (4, "m-4")
