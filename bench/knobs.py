@@ -30,8 +30,11 @@ KNOBS: dict[str, dict[str, str]] = {
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
     "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},
     "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
-    # Fewer partitions per worker: each batch commits one transaction per input
-    # partition it holds records of (app/transactional.py), so this is the
+    # How a batch's transactions are cut (app/transactional.py): one per batch
+    # (the default) or one per input partition the batch holds records of.
+    "scope_batch": {"FRAUD_TRANSACTION_SCOPE": "batch"},
+    "scope_partition": {"FRAUD_TRANSACTION_SCOPE": "partition"},
+    # Fewer partitions per worker: under scope "partition" this is the
     # transaction count per decision at a fixed rate.
     "partitions_4": {"FRAUD_PARTITIONS": "4"},
     "partitions_2": {"FRAUD_PARTITIONS": "2"},
