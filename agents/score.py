@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -226,6 +227,7 @@ def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetr
         topic=settings.topic_transactions,
         producer_options=producer_options(settings),
         scope=settings.transaction_scope,
+        worker_id=settings.worker_id or f"{socket.gethostname()}-{settings.web_port}",
     )
     commits = TransactionCommits(
         app,

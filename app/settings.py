@@ -212,6 +212,16 @@ class Settings(BaseSettings):
     partition of a batch, fenced by a transactional id per partition (any
     broker with transactions; a transaction's cost for each partition)."""
 
+    worker_id: str | None = None
+    """This worker's name in its transactional id under transaction scope
+    ``batch`` (``<app_id>-score-<topic>-<worker_id>``). Default: host name and
+    web port, which stay the same when the worker restarts on the same slot:
+    its new producer then aborts the transaction a killed predecessor left
+    open at once, instead of the broker after the transaction timeout (an open
+    transaction holds back every ``read_committed`` reader of what it wrote).
+    Two live workers must never share one (each would fence the other): use a
+    pod name or ordinal in orchestrated deployments."""
+
     session_timeout_s: float = 6.0
     """Consumer group session timeout: how long a worker that died (kill -9)
     holds its partitions before the group moves them."""

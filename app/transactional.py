@@ -117,6 +117,7 @@ class TransactionalEmitter:
         producer_options: Mapping[str, Any],
         factory: Callable[..., Any] = AIOKafkaProducer,
         scope: Literal["batch", "partition"] = "batch",
+        worker_id: str | None = None,
     ) -> None:
         self.app_id = app_id
         self.group_id = group_id
@@ -130,9 +131,10 @@ class TransactionalEmitter:
         self._producer: Any = None  # scope "batch": this worker's own
         self._owned: set[int] = set()  # scope "batch"
         self._member: GroupMember | None = None  # scope "batch": the group generation of the assignment
-        #: This worker's transactional id under ``batch`` (a fresh one per process:
-        #: nothing but this process ever uses it, so nothing needs fencing by it).
-        self.worker_transactional_id = transactional_id(app_id, topic, f"w{uuid.uuid4().hex[:12]}")
+        #: This worker's transactional id under ``batch``. Stable across restarts
+        #: of the same worker (``worker_id``), so that a restarted worker's
+        #: producer aborts what a killed predecessor left open; random if none.
+        self.worker_transactional_id = transactional_id(app_id, topic, worker_id or f"w{uuid.uuid4().hex[:12]}")
         #: Called with "committed", "fenced" or "failed" per transaction (the worker's metrics count them).
         self.on_result: Callable[[str], None] | None = None
 
@@ -239,8 +241,11 @@ class TransactionalEmitter:
                 self._owned.discard(p)
             result = Fenced(f"partitions {sorted(mine)}: the group moved on ({exc})")
         except FENCING_ERRORS as exc:
-            # Only this process uses its id: the producer is unusable (not
-            # fenced by an owner); a fresh one is started for the retry.
+            # Ownership of partitions is the group's, not the id's: fenced by
+            # its id means a restart of this worker's slot took it (or two
+            # workers were given one FRAUD_WORKER_ID); a fresh producer is
+            # started for the retry, and a worker that keeps losing it exits
+            # after the commit attempts (app/commits.py).
             producer, self._producer = self._producer, None
             await _stop_all([producer])
             self._producer = await self._start(self.worker_transactional_id)

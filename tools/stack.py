@@ -148,6 +148,12 @@ BROKER_CONFIG: dict[str, str] = {
     # transaction's markers are written; no latency gain was measured either
     # way (docs/local-broker.md).
     "transaction.partition.verification.enable": "false",
+    # A worker killed inside a transaction holds back every read_committed
+    # consumer of the partitions it wrote until the broker aborts it (after the
+    # producer's 10 s transaction timeout, app/transactional.py). The broker looks
+    # for such transactions every 10 s by default, so the stall was 10-20 s; a
+    # restarted worker fences its own at once (its transactional id is stable).
+    "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
 }
 
 _BROKER_LOG4J = """\
