@@ -201,6 +201,11 @@ class Settings(BaseSettings):
     producer_linger_s: float = 0.002
     """Producer linger: a few ms lets one batch's decisions go in one request."""
 
+    producer_compression: Literal["none", "lz4", "zstd", "gzip"] = "none"
+    """Compression of the scoring path's produce requests (decisions, feedback,
+    monitoring). docs/performance.md has what each costs the worker and the
+    broker on this pipeline's records."""
+
     producer_retry_backoff_ms: int = 5
     """Backoff of the scoring path's transactional producers before a retried
     request (app/topics.py ``producer_options`` says why it is short)."""

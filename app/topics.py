@@ -101,6 +101,7 @@ def producer_options(settings: Settings) -> dict[str, object]:
         # waits retry_backoff_ms (100 ms by default) before trying again, which
         # was most of a batch's commit time. The Java client retries this after 20 ms.
         "retry_backoff_ms": settings.producer_retry_backoff_ms,
+        **({"compression_type": settings.producer_compression} if settings.producer_compression != "none" else {}),
         **kafka_auth(settings),
     }
 

@@ -33,6 +33,10 @@ KNOBS: dict[str, dict[str, str]] = {
     # How a batch's transactions are cut (app/transactional.py): one per batch
     # (the default) or one per input partition the batch holds records of.
     "scope_batch": {"FRAUD_TRANSACTION_SCOPE": "batch"},
+    # Compressed produce requests: fewer bytes for the broker to write, more CPU for the worker.
+    "compression_none": {"FRAUD_PRODUCER_COMPRESSION": "none"},
+    "compression_lz4": {"FRAUD_PRODUCER_COMPRESSION": "lz4"},
+    "compression_zstd": {"FRAUD_PRODUCER_COMPRESSION": "zstd"},
     "scope_partition": {"FRAUD_TRANSACTION_SCOPE": "partition"},
     # Fewer partitions per worker: under scope "partition" this is the
     # transaction count per decision at a fixed rate.
