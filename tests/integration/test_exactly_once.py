@@ -307,3 +307,42 @@ def test_a_new_owner_reads_offsets_only_once_the_open_transaction_holding_them_e
     assert before == {TopicPartition(source, 0): 4}
     assert waited
     assert after == {TopicPartition(source, 0): 7}
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_a_compressed_batch_reads_back_byte_for_byte(
+    kafka_bootstrap: str, unique_name: Callable[[str], str], codec: str
+) -> None:
+    """``FRAUD_PRODUCER_COMPRESSION``: the scoring path's producer options with a
+    codec; what a read_committed consumer gets back is the records as sent."""
+    from app.settings import Settings
+    from app.topics import producer_options
+
+    group, source, out = unique_name("eos"), unique_name("eos-in"), unique_name("eos-out")
+    options = producer_options(Settings(kafka_bootstrap=kafka_bootstrap, producer_compression=codec))
+    assert options["compression_type"] == codec
+    values = [orjson_like(i) for i in range(40)]
+
+    async def scenario() -> list[bytes]:
+        await _topics(kafka_bootstrap, source, out)
+        member = await _member(kafka_bootstrap, group, source)
+        emitter = TransactionalEmitter(app_id=group, group_id=group, topic=source, producer_options=options)
+        try:
+            await emitter.assign(sorted(tp.partition for tp in member.assignment()), _membership(member))
+            partition = min(emitter.partitions)
+            records = [(out, b"k", v, [("signature", b"s-%d" % i)]) for i, v in enumerate(values)]
+            assert await emitter.commit({partition: PartitionBatch(1, records)}) == {partition: None}
+        finally:
+            await emitter.close()
+            await member.stop()
+        seen, _ = await _committed_view(kafka_bootstrap, group, source, out)
+        return seen
+
+    assert asyncio.run(scenario()) == sorted(values)
+
+
+def orjson_like(i: int) -> bytes:
+    """A feedback-sized JSON record (~1.5 KB) that compresses the way the real ones do."""
+    features = ",".join(f'"feature_{n}":{(i * 31 + n) % 97 / 7:.4f}' for n in range(40))
+    return (f'{{"transaction_id":"t-{i}","decision":{{"action":"approve","fraud_score":0.0{i % 10}}},'
+            f'"features":{{{features}}},"rule":"model"}}').encode()  # fmt: skip
