@@ -227,6 +227,8 @@ class TransactionalEmitter:
         if not mine:
             return out
         try:
+            if self._producer is None:  # its last one was lost (below)
+                self._producer = await self._start(self.worker_transactional_id)
             await self._transaction(
                 self._producer,
                 [record for batch in mine.values() for record in batch.records],
@@ -248,9 +250,8 @@ class TransactionalEmitter:
             # after the commit attempts (app/commits.py).
             producer, self._producer = self._producer, None
             await _stop_all([producer])
-            self._producer = await self._start(self.worker_transactional_id)
             result = exc
-        except BaseException as exc:
+        except Exception as exc:
             result = exc
         self._count(result)
         return {**out, **{p: result for p in mine}}

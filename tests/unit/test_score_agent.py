@@ -358,6 +358,29 @@ def test_a_failed_transaction_is_retried_and_its_decisions_committed_once(worker
     assert worker.cache.stored == ids(broker.decisions())
 
 
+def test_a_producer_whose_id_was_taken_is_replaced_and_the_batch_committed_once(
+    worker: Worker, broker: Broker
+) -> None:
+    """Scope ``batch``: the worker's transactional id is its own, not a
+    partition's. If something else takes it (a restart of the same worker slot
+    with the same FRAUD_WORKER_ID bumps its epoch), the commit fails as a
+    failure, not as a lost partition: the worker keeps its partitions, starts a
+    fresh producer and commits the same batch once."""
+    emitter = worker.commits.emitter
+
+    async def go() -> None:
+        await worker.assign(0)
+        await worker.batch(events(0, range(0, 2)))
+        broker.epochs[emitter.worker_transactional_id] += 1  # the id's epoch moved on elsewhere
+        await worker.batch(events(0, range(2, 4)))
+
+    asyncio.run(go())
+    assert ids(broker.decisions()) == [f"t-agent-0-{o}" for o in range(4)]
+    assert broker.offsets == {(TOPIC, 0): 4}
+    assert emitter.partitions == frozenset({0})
+    assert worker.cache.stored == ids(broker.decisions())
+
+
 class Exited(BaseException):
     pass
 
