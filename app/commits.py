@@ -95,13 +95,21 @@ class TransactionCommits:
             # epoch per partition), then read the offsets, waiting out any open
             # transaction that holds some (require_stable): whatever they
             # committed is in them by then. If either fails, the assignment
-            # stays pending for the next batch.
-            await self.emitter.assign((tp.partition for tp in tps), self._pending_membership)
-            positions = await self._read_positions(tps)
-            if self._pending_assignment is tps:  # no newer rebalance meanwhile
-                self._pending_assignment = None
-                self.progress.assign(positions)
-                log.info("deciding %s from offsets %s", self.topic, _fmt(positions))
+            # stays pending for the next batch, and this one admits nothing (its
+            # records are read again: once assigned, the first record past the
+            # committed offset is a hole, sought back to).
+            try:
+                await self.emitter.assign((tp.partition for tp in tps), self._pending_membership)
+                positions = await self._read_positions(tps)
+            except Exception as exc:
+                log.warning(
+                    "partitions %s: not taken over yet (%r); trying again with the next batch", _fmt_tps(tps), exc
+                )
+            else:
+                if self._pending_assignment is tps:  # no newer rebalance meanwhile
+                    self._pending_assignment = None
+                    self.progress.assign(positions)
+                    log.info("deciding %s from offsets %s", self.topic, _fmt(positions))
         admitted = self.progress.admit(events, event_position, time.monotonic())
         holes = {tp: (offset, min(o for t, o in map(event_position, events) if t == tp and o > offset))
                  for tp, offset in admitted.rewind.items()}  # fmt: skip

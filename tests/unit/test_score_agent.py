@@ -68,6 +68,7 @@ class Broker:
         self.generation = 0  # the group's generation: each Worker.assign is a rebalance
         self.members: set[str] = set()
         self.fail_commits = 0  # the next N commits abort (a broker error)
+        self.fail_offset_reads = 0  # the next N OffsetFetch requests fail
         self.commits = 0
         #: ("commit", partition, transaction ids) and ("cache", transaction ids), in order
         self.timeline: list[tuple[Any, ...]] = []
@@ -175,6 +176,9 @@ class Coordinator:
         pass
 
     async def _send_req(self, request: StableOffsetFetchRequest) -> Any:
+        if self.broker.fail_offset_reads:
+            self.broker.fail_offset_reads -= 1
+            raise KafkaError("the group coordinator is not available")  # not retriable: the read gives up
         wire = request.build(OffsetFetchRequest_v7)
         assert wire.group_id == GROUP and wire.require_stable
         topics = [
@@ -379,6 +383,28 @@ def test_a_producer_whose_id_was_taken_is_replaced_and_the_batch_committed_once(
     assert broker.offsets == {(TOPIC, 0): 4}
     assert emitter.partitions == frozenset({0})
     assert worker.cache.stored == ids(broker.decisions())
+
+
+def test_a_takeover_whose_offset_read_fails_admits_nothing_and_is_tried_again(worker: Worker, broker: Broker) -> None:
+    """The committed offsets cannot be read at assignment (the coordinator is
+    away): that batch is decided by nobody yet, the worker keeps running, and
+    the next batch takes the partition over from its committed offset; the
+    records skipped meanwhile are sought back to, not lost."""
+    broker.offsets[(TOPIC, 0)] = 2  # decided before, by the previous owner
+    broker.fail_offset_reads = 1
+
+    async def go() -> tuple[BatchOutput | None, list[tuple[int, int]]]:
+        await worker.assign(0)
+        first = await worker.batch(events(0, range(2, 4)))
+        await worker.batch(events(0, range(4, 6)))  # a hole: 2 and 3 were never decided
+        await worker.batch(events(0, range(2, 6)))  # what the seek back delivers
+        return first, worker.app.consumer.seeks
+
+    first, seeks = asyncio.run(go())
+    assert first is None
+    assert (0, 2) in seeks
+    assert ids(broker.decisions()) == [f"t-agent-0-{o}" for o in range(2, 6)]
+    assert broker.offsets == {(TOPIC, 0): 6}
 
 
 class Exited(BaseException):
