@@ -49,6 +49,7 @@ __all__ = [
     "StableOffsetFetchRequest",
     "TxnOffsetCommitV3Request",
     "stable_offsets",
+    "txn_offset_commit_errors",
 ]
 
 #: Error codes by which the group coordinator refuses a transaction's offsets

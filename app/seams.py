@@ -48,11 +48,15 @@ otherwise load faust.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from aiokafka.structs import TopicPartition
+
+from app import group_fencing
 
 __all__ = [
     "ReadOffsets",
@@ -360,8 +364,6 @@ def install_group_fenced_offset_commits() -> None:
     if getattr(original, "_fraud_patched", False):
         return
 
-    from app import group_fencing
-
     class GroupFencedTxnOffsetCommitHandler(original):  # type: ignore[valid-type,misc]
         _fraud_patched = True
 
@@ -471,12 +473,7 @@ async def fetch_stable_offsets(
     A new owner that started there would decide again what the previous
     owner's transaction is about to commit.
     """
-    import asyncio
-    import time
-
     from aiokafka import errors as kafka_errors
-
-    from app import group_fencing
 
     coordinator = consumer._coordinator
     deadline = time.monotonic() + give_up_s
