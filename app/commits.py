@@ -288,15 +288,23 @@ class TransactionCommits:
 
     async def _read_positions(self, tps: set[Any]) -> dict[Any, int]:
         """The group's committed offset of each partition, else the log start
-        (``auto_offset_reset=earliest``); stable offsets only (see above)."""
+        (``auto_offset_reset=earliest``).
+
+        Scope ``batch``: stable offsets only (OffsetFetch ``require_stable``,
+        brokers 2.5+), the wait that fences the previous owner's open
+        transaction. Scope ``partition``: the new producer epochs already
+        ended it, so aiokafka's plain read is enough (and works on older brokers)."""
+        parts = [TopicPartition(tp.topic, tp.partition) for tp in tps]
 
         async def read(consumer: Any) -> dict[Any, int]:
             out: dict[Any, int] = {}
             missing = []
-            committed = await seams.fetch_stable_offsets(
-                consumer, self.emitter.group_id, [TopicPartition(tp.topic, tp.partition) for tp in tps],
-                give_up_s=STABLE_OFFSETS_GIVE_UP_S,
-            )  # fmt: skip
+            if self.emitter.scope == "batch":
+                committed = await seams.fetch_stable_offsets(
+                    consumer, self.emitter.group_id, parts, give_up_s=STABLE_OFFSETS_GIVE_UP_S
+                )
+            else:
+                committed = {tp: await consumer.committed(tp) for tp in parts}
             for tp in tps:
                 offset = committed.get(TopicPartition(tp.topic, tp.partition))
                 if offset is None or offset < 0:

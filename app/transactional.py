@@ -233,7 +233,7 @@ class TransactionalEmitter:
                 self._producer,
                 [record for batch in mine.values() for record in batch.records],
                 {TopicPartition(self.topic, p): b.next_offset for p, b in mine.items()},
-                self._member or self.group_id,
+                self._owner(),
             )
             result: BaseException | None = None
         except asyncio.CancelledError:
@@ -255,6 +255,12 @@ class TransactionalEmitter:
             result = exc
         self._count(result)
         return {**out, **{p: result for p in mine}}
+
+    def _owner(self) -> GroupMember:
+        """The group membership this worker's offsets are fenced by (set by :meth:`assign`)."""
+        if self._member is None:  # cannot happen: nothing is owned before assign()
+            raise RuntimeError("scope 'batch' committed before an assignment")
+        return self._member
 
     async def _commit_one(self, partition: int, batch: PartitionBatch) -> None:
         producer = self._producers.get(partition)
