@@ -145,6 +145,9 @@ class WorkerMetrics:
         #: The committed offset per partition, when the agent commits `transactions`
         #: itself (app/commits.py); else faust's own record of its commits is read.
         self.committed: Callable[[], Mapping[Any, int]] | None = None
+        #: (topic, partition, highwater, committed) per assigned partition, when the
+        #: worker consumes `transactions` through its own client (app/eos.py).
+        self.offsets: Callable[[], list[tuple[str, int, int | None, int | None]]] | None = None
         self.registry.register(_ScrapeTimeCollector(self))
         # process_cpu_seconds_total: `scale advise` bounds a worker's capacity by its CPU per message.
         ProcessCollector(registry=self.registry)
@@ -325,6 +328,8 @@ class _ScrapeTimeCollector(Collector):
         yield _gauge("fraud_assigned_partitions", "Partitions of `transactions` assigned to this worker", assigned)
 
     def _offsets(self) -> list[tuple[str, int, int | None, int | None]]:
+        if self.metrics.offsets is not None:  # the scoring stream (app/eos.py)
+            return self.metrics.offsets()
         get = self.metrics.consumer
         consumer = get() if get is not None else None
         if consumer is None:

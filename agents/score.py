@@ -1,12 +1,17 @@
 """The scoring agent: transactions in, decisions out, exactly once per payment.
 
-Reads top to bottom as a batch flows: take a micro-batch of events, admit what
-the partition bookkeeping allows (:mod:`app.commits`), score it
-(:class:`pipeline.scorer.Scorer`: admission, cache, enrichment, ensemble,
-rules), let the shadow model see it, commit outcomes and offsets in one Kafka
-transaction per input partition (:mod:`app.transactional`), then store the
-decisions in the resend cache. Feedback and monitoring records ride in the same
-transaction and are never awaited separately, so they never hold up a decision.
+Reads top to bottom as a batch flows: take a micro-batch from the scoring
+group's consumer (up to ``FRAUD_BATCH_SIZE`` records or ``FRAUD_BATCH_WINDOW_S``),
+score it (:class:`pipeline.scorer.Scorer`: admission, cache, enrichment,
+ensemble, rules), let the shadow model see it, commit outcomes and offsets in
+one Kafka transaction (:mod:`app.eos`), then store the decisions in the resend
+cache. Feedback and monitoring records ride in the same transaction and are
+never awaited separately, so they never hold up a decision.
+
+The records move through librdkafka (:mod:`app.eos`), not faust's stream: faust's
+per-event path cost more CPU than everything a decision does
+(docs/performance.md). faust still hosts the worker: its web server and
+metrics, the registry watch, the merchant tally and the feedback loop.
 
     fraud-pipeline worker            # this agent, plus the feedback loop's (--role all)
 """
@@ -16,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +35,12 @@ from agents.metrics import WorkerMetrics
 from agents.reload import Reloader
 from agents.tally import install_merchant_tally
 from app import redis_client
-from app.commits import TransactionCommits
 from app.contract import Transaction
 from app.errors import ConfigError
 from app.faust_app import RAW, base_app
-from app.seams import untrack_read_offsets
 from app.settings import Settings
-from app.topics import kafka_auth, producer_options
-from app.transactional import TransactionalEmitter
+from app.eos import CommitFailed, ExactlyOnce, Fenced, TakenBatch
+from app.librdkafka import client_config
 from models.registry import load_ensemble
 from pipeline.admission import Admission
 from pipeline.auth import ClientKeys, RedisReplayGuard
@@ -47,10 +51,10 @@ from pipeline.labels import MerchantTally
 from pipeline.model import ScoringModel
 from pipeline.ratelimit import RedisRateLimiter
 from pipeline.rules import RuleSet, load_rules
-from pipeline.scorer import BatchOutput, Inbound, Scorer
+from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
 from pipeline.validate import Limits
 
-__all__ = ["Runtime", "create_app", "handle_batch"]
+__all__ = ["Runtime", "create_app", "exactly_once", "handle_batch", "scoring_group"]
 
 log = logging.getLogger(__name__)
 
@@ -158,104 +162,107 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     app = base_app(settings)
     metrics = WorkerMetrics.install(app, settings, faust_sensors=settings.faust_sensors)  # /metrics
     metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
-    # acks=False: faust never commits `transactions`; each batch's transaction does.
-    transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, acks=False, **RAW)
-    commits = _transaction_commits(app, settings, metrics)
-    commits.sign_decisions = runtime.decision_signer  # every decision carries its Ed25519 signature
     merchant_tally = install_merchant_tally(app, settings)  # live confirmed fraud per merchant, for the rules
     reloader = runtime.reloader()
+    stream = exactly_once(settings, metrics)
+    topics = {
+        "decisions": settings.topic_decisions,
+        "dead_letters": settings.topic_dlq,
+        "feedback": settings.topic_feedback,
+        "monitoring": settings.topic_monitoring,
+    }
 
-    @app.agent(transactions, concurrency=1)  # concurrency 1: faust-streaming #606
-    async def score(stream: faust.StreamT) -> None:
+    @app.task
+    async def score() -> None:
         scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         await scorer.warm_up()
         await reloader.apply(scorer)  # the shadow and drift reference, if any
+        await stream.start()
+        log.info("scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id)
         try:
-            async for events in stream.take_events(settings.batch_size, within=settings.batch_window_s):
-                await handle_batch(events, commits=commits, scorer=scorer, reloader=reloader, metrics=metrics)
+            while True:
+                batch = await stream.take(settings.batch_size, settings.batch_window_s)
+                if batch.messages:
+                    await handle_batch(
+                        batch, stream=stream, scorer=scorer, reloader=reloader, metrics=metrics,
+                        topics=topics, sign=runtime.decision_signer,
+                    )  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            # Nothing of an uncommitted batch is visible: a restarted worker
+            # takes it again from the committed offsets.
+            log.critical("the scoring loop failed; exiting so the worker is restarted", exc_info=True)
+            os._exit(70)
         finally:
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(commits.close(), 5.0)
+                await asyncio.wait_for(stream.close(), 10.0)  # leaves the group: its partitions move at once
 
     @app.timer(settings.reload_check_s)
     async def watch_registry() -> None:  # loads in the background; swaps happen in the agent
         await reloader.poll()
-
-    @app.timer(settings.watchdog_interval_s)
-    async def watch_partitions() -> None:  # a partition that stops moving is sought back
-        await commits.tick()
 
     if settings.worker_role == "all":  # "score": the feedback loop runs in its own workers
         install_feedback_loop(app, settings)
 
     app.runtime = runtime
     app.metrics = metrics
-    app.scoring_agent = score
-    app.transaction_commits = commits
+    app.scoring_stream = stream
     return app
 
 
+def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
+    """The scoring group's consumer and this worker's transactional producer (app/eos.py)."""
+    worker_id = settings.worker_id or f"{socket.gethostname()}-{settings.web_port}"
+    stream = ExactlyOnce(
+        topic=settings.topic_transactions,
+        group_id=scoring_group(settings),
+        transactional_id=f"{settings.app_id}-score-{settings.topic_transactions}-{worker_id}",
+        client_config=client_config(settings, f"{settings.app_id}-score"),
+        session_timeout_ms=int(settings.session_timeout_s * 1000),
+        heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
+        linger_ms=settings.producer_linger_s * 1000,
+        compression=settings.producer_compression,
+    )
+    stream.on_result = lambda result: metrics.transactions.labels(result).inc()
+    metrics.offsets = stream.offsets
+    return stream
+
+
 async def handle_batch(
-    events: Sequence[Any],
+    batch: TakenBatch,
     *,
-    commits: TransactionCommits,
+    stream: ExactlyOnce,
     scorer: Scorer,
     reloader: Reloader,
     metrics: WorkerMetrics,
+    topics: dict[str, str],
+    sign: Signs | None,
 ) -> BatchOutput | None:
-    """One micro-batch of faust events, top to bottom; returns what it
-    committed, or None when nothing was admitted (nothing is done then)."""
+    """One micro-batch, top to bottom; returns what it committed, or None when
+    its transaction did not commit (its records come back)."""
     started = time.perf_counter()
-    admitted = await commits.admit(events)  # holes and rewinds: see app/commits.py
-    if not admitted.events:
-        return None
-    batch = [_inbound(event) for event in admitted.events]
+    inbound = [_inbound(msg) for msg in batch.messages]
     await reloader.apply(scorer)  # a promoted model or rules, between batches
-    output = await scorer.score_batch(batch)
+    output = await scorer.score_batch(inbound)
     await scorer.finish(output)  # the shadow model: adds to the feedback records
-    committed = await commits.commit(admitted, output)  # outcomes + offsets, one transaction per partition
-    await _write_cache(scorer, output.cacheable(committed))  # only what committed: never a fenced partition's
-    metrics.observe_batch(batch, output, started)
+    try:
+        await stream.commit(batch, output.records(topics, sign))  # outcomes + offsets, one transaction
+    except Fenced as exc:
+        log.warning("%s: their new owner decides this batch", exc)
+        return None
+    except CommitFailed as exc:
+        log.warning("%s", exc)
+        return None
+    await _write_cache(scorer, output.to_cache)  # only what committed
+    metrics.observe_batch(inbound, output, started)
     return output
 
 
-def _transaction_commits(app: faust.App, settings: Settings, metrics: WorkerMetrics) -> TransactionCommits:
-    """Offsets of ``transactions`` and every output of a batch, one transaction per input partition."""
-    emitter = TransactionalEmitter(
-        app_id=settings.app_id,
-        group_id=settings.app_id,  # faust's consumer group
-        topic=settings.topic_transactions,
-        producer_options=producer_options(settings),
-        scope=settings.transaction_scope,
-        worker_id=settings.worker_id or f"{socket.gethostname()}-{settings.web_port}",
-    )
-    commits = TransactionCommits(
-        app,
-        settings.topic_transactions,
-        emitter,
-        topics={
-            "decisions": settings.topic_decisions,
-            "dead_letters": settings.topic_dlq,
-            "feedback": settings.topic_feedback,
-            "monitoring": settings.topic_monitoring,
-        },
-        stall_after_s=settings.stall_after_s,
-        consumer_options={"bootstrap_servers": settings.kafka_bootstrap, **kafka_auth(settings)},
-    )
-    metrics.committed = commits.progress.committed_offsets  # lag = fetch highwater - this
-    commits.on_reseek = lambda reason: metrics.partition_reseeks.labels(reason).inc()
-    emitter.on_result = lambda result: metrics.transactions.labels(result).inc()
-    untrack_read_offsets(app, settings.topic_transactions)
-
-    @app.on_partitions_revoked.connect
-    async def _revoked(sender: Any, revoked: set[Any], **_: Any) -> None:
-        await commits.on_revoked(revoked)
-
-    @app.on_partitions_assigned.connect
-    async def _assigned(sender: Any, assigned: set[Any], **_: Any) -> None:
-        await commits.on_assigned(assigned)
-
-    return commits
+def scoring_group(settings: Settings) -> str:
+    """The consumer group of the scoring workers (faust's own group, ``app_id``,
+    reads the labels for the merchant tally)."""
+    return f"{settings.app_id}-score"
 
 
 async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
@@ -269,15 +276,13 @@ async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[s
             log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
 
 
-def _inbound(event: Any) -> Inbound:
-    message = event.message
-    headers = message.headers or {}
-    if not isinstance(headers, dict):
-        headers = {k: v for k, v in headers}
+def _inbound(msg: Any) -> Inbound:
+    headers = msg.headers()
+    kind, ts_ms = msg.timestamp()
     return Inbound(
-        value=message.value if isinstance(message.value, bytes) else bytes(message.value or b""),
-        headers={str(k): (v if isinstance(v, bytes) else str(v).encode()) for k, v in headers.items()},
-        timestamp=message.timestamp,
-        partition=message.partition,
-        offset=message.offset,
+        value=msg.value() or b"",
+        headers=dict(headers) if headers else {},
+        timestamp=ts_ms / 1000.0 if kind else None,
+        partition=msg.partition(),
+        offset=msg.offset(),
     )

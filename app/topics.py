@@ -18,7 +18,7 @@ from app.retry import retry
 from app.seams import cluster_metadata
 from app.settings import Settings
 
-__all__ = ["ensure_topics", "kafka_auth", "producer_options", "topic_partitions"]
+__all__ = ["ensure_topics", "kafka_auth", "producer_options", "sasl_password", "topic_partitions"]
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,13 @@ def kafka_auth(settings: Settings) -> dict[str, object]:
         opts["security_protocol"] = "SASL_SSL" if settings.kafka_ssl else "SASL_PLAINTEXT"
         opts["sasl_mechanism"] = settings.kafka_sasl_mechanism
         opts["sasl_plain_username"] = settings.kafka_sasl_username
-        opts["sasl_plain_password"] = _sasl_password(settings)
+        opts["sasl_plain_password"] = sasl_password(settings)
     elif settings.kafka_ssl:
         opts["security_protocol"] = "SSL"
     return opts
 
 
-def _sasl_password(settings: Settings) -> str | None:
+def sasl_password(settings: Settings) -> str | None:
     """``kafka_sasl_password``, else the first line of ``kafka_sasl_password_file``."""
     if settings.kafka_sasl_password is not None:
         return settings.kafka_sasl_password.get_secret_value()

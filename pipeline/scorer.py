@@ -141,6 +141,25 @@ class BatchOutput:
         return out
 
 
+    def records(self, topics: dict[str, str], sign: Signs | None = None) -> list[Record]:
+        """Every record to produce, as (topic, key, value, headers), in one list:
+        decisions (each signed by ``sign`` here, once: its value bytes are final),
+        dead letters, feedback, then the batch's monitoring records."""
+        decisions, dlq, feedback, monitoring = (
+            topics["decisions"], topics["dead_letters"], topics["feedback"], topics["monitoring"],
+        )  # fmt: skip
+        if sign is not None:
+            out: list[Record] = [(decisions, k, v, sign.headers(v)) for k, v in self.decisions]
+        else:
+            out = [(decisions, k, v, []) for k, v in self.decisions]
+        out += [(dlq, k, v, []) for k, v in self.dead_letters]
+        out += [(feedback, k, v, []) for k, v in self.feedback]
+        if self.monitoring is not None:
+            out.append((monitoring, None, orjson.dumps(self.monitoring), []))
+        out += [(monitoring, None, v, []) for v in self.extra_monitoring]
+        return out
+
+
 class Signs(Protocol):
     def headers(self, value: bytes) -> list[tuple[str, bytes]]: ...
 

@@ -1,0 +1,394 @@
+"""Exactly-once consume -> produce on librdkafka: a batch's outcomes and its
+consumed offsets in one Kafka transaction, fenced by the group's generation.
+
+Kafka's exactly-once v2 (KIP-447), as the Java client and Kafka Streams do it:
+one transactional producer per worker (a stable id: a restarted worker fences
+its killed predecessor and aborts what it left open), and every transaction's
+offsets carry the consumer group's metadata (generation and member id), so a
+worker that lost its partitions can no longer commit them: the coordinator
+refuses, the transaction aborts, and nothing it produced becomes visible. A
+partition's new owner reads the committed offsets with ``require_stable``
+(librdkafka does by default), so it starts exactly where the last committed
+transaction left the partition.
+
+One batch, one transaction: :meth:`ExactlyOnce.take` returns what the consumer
+has (up to ``max_records``, waiting at most ``within_s``), and
+:meth:`ExactlyOnce.commit` produces the batch's records and commits its
+offsets, all or nothing. A transaction that fails is aborted and the
+consumer is rewound to the batch's first offsets, so the same records come
+back (to this worker, or to the partitions' next owner): never a decision
+without its offset, never an offset without its decision.
+
+Every call into librdkafka that can block (consume, the transaction's round
+trips) runs on one thread of its own, in order, so the event loop keeps
+serving Redis, metrics and the web while the broker answers. Rebalance
+callbacks run inside ``consume`` on that thread, always between two
+transactions: a revocation never meets an open transaction of this worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from app.errors import FraudPipelineError
+
+__all__ = ["CommitFailed", "ExactlyOnce", "Fenced", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
+
+log = logging.getLogger(__name__)
+
+#: How long the broker lets a transaction stay open before aborting it itself:
+#: a worker that stopped answering (SIGSTOP, a long pause) holds back
+#: ``read_committed`` readers of its partitions at most this long when nobody
+#: fences it sooner. A transaction is open for one batch's sends and commit.
+TRANSACTION_TIMEOUT_MS = 10_000
+
+#: Bound on one blocking transactional call (commit, abort, offsets); past it
+#: the call is treated as failed (aborted if it can be, else a new producer).
+TXN_CALL_TIMEOUT_S = 10.0
+
+#: Tries of a commit whose error librdkafka says may be retried as is.
+COMMIT_RETRIES = 3
+
+#: (topic, key, value, headers): one record to produce.
+Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
+
+
+class Fenced(FraudPipelineError):
+    """This worker may no longer commit the batch's partitions: the group moved on."""
+
+
+class CommitFailed(FraudPipelineError):
+    """A batch's transaction was aborted; its records will be consumed again."""
+
+
+class Message(Protocol):
+    """What the scoring path reads of a consumed record (librdkafka's ``Message``)."""
+
+    def value(self) -> bytes | None: ...
+    def key(self) -> bytes | None: ...
+    def headers(self) -> list[tuple[str, bytes]] | None: ...
+    def timestamp(self) -> tuple[int, int]: ...
+    def partition(self) -> int: ...
+    def offset(self) -> int: ...
+    def error(self) -> Any: ...
+
+
+@dataclass
+class TakenBatch:
+    """Records taken together, and where each of their partitions starts and ends."""
+
+    messages: list[Any]
+    first: dict[int, int] = field(default_factory=dict)
+    """Per partition, the offset of its first record here: where a rewind goes."""
+    next_offsets: dict[int, int] = field(default_factory=dict)
+    """Per partition, the offset after its last record here: what a commit stores."""
+    generation: int = 0
+    """The assignment this batch was taken under (bumped by every rebalance)."""
+
+    @classmethod
+    def of(cls, messages: Sequence[Any], generation: int) -> TakenBatch:
+        batch = cls(list(messages), generation=generation)
+        for msg in batch.messages:
+            p, o = msg.partition(), msg.offset()
+            if p not in batch.first:
+                batch.first[p] = o
+            batch.next_offsets[p] = o + 1
+        return batch
+
+
+def _fencing_codes() -> tuple[int, ...]:
+    err = _kafka().KafkaError
+    return (err.ILLEGAL_GENERATION, err.UNKNOWN_MEMBER_ID, err.FENCED_INSTANCE_ID, err.REBALANCE_IN_PROGRESS)
+
+
+def _kafka() -> Any:
+    import confluent_kafka
+
+    return confluent_kafka
+
+
+class ExactlyOnce:
+    """One topic's consumer and one transactional producer, committed together."""
+
+    def __init__(
+        self,
+        *,
+        topic: str,
+        group_id: str,
+        transactional_id: str,
+        client_config: dict[str, object],
+        session_timeout_ms: int = 6000,
+        heartbeat_interval_ms: int = 1500,
+        linger_ms: float = 2.0,
+        compression: str = "none",
+        consumer_factory: Callable[[dict[str, object]], Any] | None = None,
+        producer_factory: Callable[[dict[str, object]], Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.group_id = group_id
+        self.transactional_id = transactional_id
+        self._consumer_config: dict[str, object] = {
+            **client_config,
+            "group.id": group_id,
+            "enable.auto.commit": False,  # offsets go only through the transactions
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "session.timeout.ms": session_timeout_ms,
+            "heartbeat.interval.ms": heartbeat_interval_ms,
+            # NOTE: librdkafka fetches ahead into its own queue; the default
+            # (64 MiB per partition) is memory a worker does not need at a few
+            # thousand small records a second.
+            "queued.max.messages.kbytes": 8192,
+            "fetch.wait.max.ms": 100,
+        }
+        self._producer_config: dict[str, object] = {
+            **client_config,
+            "transactional.id": transactional_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": linger_ms,
+            "compression.type": compression,
+            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            # A lost transactional request is retried after this, not the 100 ms default.
+            "retry.backoff.ms": 20,
+        }
+        self._consumer_factory = consumer_factory or (lambda c: _kafka().Consumer(c))
+        self._producer_factory = producer_factory or (lambda c: _kafka().Producer(c))
+        # One thread: librdkafka's blocking calls, in the order they were made.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eos")
+        self._consumer: Any = None
+        self._producer: Any = None
+        self.assigned: set[int] = set()
+        #: What this worker committed last per partition (next offset to read).
+        self.committed_offsets: dict[int, int] = {}
+        self.generation = 0
+        #: Called (on the client thread) with the partitions assigned / revoked.
+        self.on_assigned: Callable[[set[int]], None] = lambda _: None
+        self.on_revoked: Callable[[set[int]], None] = lambda _: None
+        #: Called with "committed", "aborted" or "fenced" for each transaction.
+        self.on_result: Callable[[str], None] = lambda _: None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._call(self._start)
+
+    def _start(self) -> None:
+        self._producer = self._new_producer()
+        self._consumer = self._consumer_factory(self._consumer_config)
+        self._consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
+
+    def _new_producer(self) -> Any:
+        producer = self._producer_factory(self._producer_config)
+        # InitProducerId: a new epoch for this id; whatever an earlier holder
+        # of it (this worker before a kill -9) left open is aborted.
+        producer.init_transactions(TXN_CALL_TIMEOUT_S * 3)
+        return producer
+
+    async def close(self) -> None:
+        """Leave the group (its partitions move at once) and stop the producer."""
+        try:
+            await self._call(self._close)
+        finally:
+            self._thread.shutdown(wait=False)
+
+    def _close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+        if self._producer is not None:
+            self._producer.flush(1.0)
+            self._producer = None
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    # -- rebalance callbacks (client thread, inside consume) -----------------------
+
+    def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
+        self.generation += 1
+        numbers = {tp.partition for tp in partitions}
+        self.assigned = numbers
+        log.info("assigned partitions %s of %s", sorted(numbers), self.topic)
+        self.on_assigned(numbers)
+
+    def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
+        self.generation += 1
+        numbers = {tp.partition for tp in partitions}
+        self.assigned -= numbers
+        for p in numbers:
+            self.committed_offsets.pop(p, None)
+        log.info("partitions %s of %s revoked", sorted(numbers), self.topic)
+        self.on_revoked(numbers)
+
+    # -- the loop: take, then commit ----------------------------------------------
+
+    async def take(self, max_records: int, within_s: float) -> TakenBatch:
+        """Up to ``max_records`` records, waiting at most ``within_s`` for them."""
+        messages = await self._call(self._take, max_records, within_s)
+        return TakenBatch.of(messages, self.generation)
+
+    def _take(self, max_records: int, within_s: float) -> list[Any]:
+        generation = self.generation
+        polled = self._consumer.consume(max_records, within_s)
+        out = []
+        for msg in polled:
+            err = msg.error()
+            if err is None:
+                out.append(msg)
+            elif err.code() != _kafka().KafkaError._PARTITION_EOF:
+                log.warning("consumer: %s", err)
+        if out and self.generation != generation:
+            # A rebalance inside this call: records from before it may be
+            # delivered again from the committed offsets after it. None of
+            # them is used; each partition kept goes back to its lowest.
+            lowest: dict[int, int] = {}
+            for msg in out:
+                lowest[msg.partition()] = min(lowest.get(msg.partition(), msg.offset()), msg.offset())
+            self._seek(lowest)
+            return []
+        return out
+
+    async def commit(self, batch: TakenBatch, records: Sequence[Record]) -> None:
+        """Produce ``records`` and commit the batch's offsets, in one transaction.
+
+        Raises :class:`Fenced` when the group gave the partitions to another
+        worker (nothing became visible; their new owner decides the batch), or
+        :class:`CommitFailed` when the transaction did not commit for another
+        reason: the consumer then goes back to the committed offsets, so the
+        batch comes back.
+        """
+        result = await self._call(self._commit, batch, records)
+        self.on_result(result)
+        if result == "fenced":
+            raise Fenced(f"partitions {sorted(batch.first)} of {self.topic}: the group moved on")
+        if result != "committed":
+            raise CommitFailed(f"transaction {result}; the batch will be consumed again")
+
+    def _commit(self, batch: TakenBatch, records: Sequence[Record]) -> str:
+        kafka = _kafka()
+        if batch.generation != self.generation:
+            # Taken before a rebalance: the consumer already went back to the
+            # committed offsets, and the records come again (here or elsewhere).
+            return "fenced"
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+            produce = producer.produce
+            for topic, key, value, headers in records:
+                while True:
+                    try:
+                        produce(topic, value, key, headers=headers or None)
+                        break
+                    except BufferError:  # the local queue is full: let deliveries drain it
+                        producer.poll(0.005)
+            offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in batch.next_offsets.items()]
+            producer.send_offsets_to_transaction(offsets, self._consumer.consumer_group_metadata(), TXN_CALL_TIMEOUT_S)
+        except kafka.KafkaException as exc:
+            return self._recover(batch, exc.args[0] if exc.args else None, committing=False)
+        for attempt in range(COMMIT_RETRIES):
+            try:
+                producer.commit_transaction(TXN_CALL_TIMEOUT_S)
+                self.committed_offsets.update(batch.next_offsets)
+                producer.poll(0)  # delivery reports: none are awaited, free their memory
+                return "committed"
+            except kafka.KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if err is not None and err.retriable() and attempt + 1 < COMMIT_RETRIES:
+                    log.warning("commit of a transaction: %s; trying again", err)
+                    continue  # librdkafka: a retriable commit error may be retried as is
+                return self._recover(batch, err, committing=True)
+        raise AssertionError("unreachable")
+
+    def _recover(self, batch: TakenBatch, err: Any, *, committing: bool) -> str:
+        """After a transaction that did not commit: abort it, or start a new
+        producer (a new epoch aborts whatever the old one left open), then put
+        the batch's partitions back at their committed offsets.
+
+        Committed offsets, not the batch's first: a commit whose answer was
+        lost may have committed. They are read with ``require_stable``, so
+        after the abort they say exactly what became visible.
+        """
+        kafka = _kafka()
+        log.warning("transaction of partitions %s failed: %s", sorted(batch.first), err)
+        try:
+            if err is None or err.fatal() or not err.txn_requires_abort():
+                raise kafka.KafkaException(err)
+            self._producer.abort_transaction(TXN_CALL_TIMEOUT_S)
+        except kafka.KafkaException as exc:
+            # Fatal (fenced by its own id: a restart of this worker's slot, or
+            # two workers given one FRAUD_WORKER_ID), or an outcome unknown.
+            log.warning("transactional producer replaced after: %s", exc)
+            self._replace_producer()
+        if self.generation != batch.generation:
+            return "fenced"
+        kept = [p for p in batch.first if p in self.assigned]
+        try:
+            tps = [kafka.TopicPartition(self.topic, p) for p in kept]
+            committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}
+        except kafka.KafkaException as exc:
+            log.warning("reading committed offsets failed (%s): the batch's first offsets are used", exc)
+            committed = {p: -1 for p in kept}
+        # No committed offset yet (-1001): the batch's own first offset is where it starts.
+        self._seek({p: o if o >= 0 else batch.first[p] for p, o in committed.items()})
+        fenced = err is not None and err.code() in _fencing_codes()
+        return "fenced" if fenced else "aborted"
+
+    def _replace_producer(self) -> None:
+        kafka = _kafka()
+        self._producer = None
+        deadline = time.monotonic() + 60.0
+        while self._producer is None:
+            try:
+                self._producer = self._new_producer()
+            except kafka.KafkaException as again:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("new transactional producer failed: %s; trying again", again)
+                time.sleep(0.5)
+
+    def _seek(self, offsets: dict[int, int]) -> None:
+        kafka = _kafka()
+        for partition, offset in offsets.items():
+            if partition not in self.assigned:
+                continue  # its new owner reads the committed offset
+            try:
+                self._consumer.seek(kafka.TopicPartition(self.topic, partition, offset))
+            except kafka.KafkaException as exc:
+                log.warning("seeking partition %d to %d failed: %s", partition, offset, exc)
+
+    # -- introspection -----------------------------------------------------------
+
+    def offsets(self) -> list[tuple[str, int, int | None, int | None]]:
+        """(topic, partition, fetch highwater, committed offset) per assigned
+        partition, from what the client already knows: no request per call."""
+        consumer = self._consumer
+        if consumer is None:
+            return []
+        kafka = _kafka()
+        out: list[tuple[str, int, int | None, int | None]] = []
+        for p in sorted(self.assigned):
+            try:
+                _, high = consumer.get_watermark_offsets(kafka.TopicPartition(self.topic, p), cached=True)
+            except Exception:
+                high = -1
+            out.append((self.topic, p, high if high >= 0 else None, self.committed_offsets.get(p)))
+        return out
+
+    async def committed(self) -> dict[int, int]:
+        """The group's committed offset of each assigned partition."""
+
+        def read() -> dict[int, int]:
+            kafka = _kafka()
+            tps = [kafka.TopicPartition(self.topic, p) for p in sorted(self.assigned)]
+            return {tp.partition: tp.offset for tp in self._consumer.committed(tps, 5.0) if tp.offset >= 0}
+
+        result: dict[int, int] = await self._call(read)
+        return result

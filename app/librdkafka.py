@@ -1,0 +1,36 @@
+"""librdkafka (confluent-kafka) client settings, from this project's settings.
+
+The scoring path consumes and produces through librdkafka: its consumer hands
+over a batch of records from C, its producer batches and compresses in C, and
+its transactions carry the consumer group's generation (KIP-447). The same
+broker address and credentials as the aiokafka clients (:func:`app.topics.kafka_auth`),
+spelled the way librdkafka names them.
+"""
+
+from __future__ import annotations
+
+from app.settings import Settings
+from app.topics import sasl_password
+
+__all__ = ["client_config"]
+
+
+def client_config(settings: Settings, client_id: str) -> dict[str, object]:
+    """Connection options shared by every librdkafka client of a worker."""
+    config: dict[str, object] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "client.id": client_id,
+        # NOTE: librdkafka logs through its own thread to stderr; the worker's
+        # logging carries what matters (errors surface as exceptions).
+        "log_level": 3,
+    }
+    if settings.kafka_ssl and settings.kafka_ssl_cafile:
+        config["ssl.ca.location"] = str(settings.kafka_ssl_cafile)
+    if settings.kafka_sasl_mechanism:
+        config["security.protocol"] = "SASL_SSL" if settings.kafka_ssl else "SASL_PLAINTEXT"
+        config["sasl.mechanism"] = settings.kafka_sasl_mechanism
+        config["sasl.username"] = settings.kafka_sasl_username or ""
+        config["sasl.password"] = sasl_password(settings) or ""
+    elif settings.kafka_ssl:
+        config["security.protocol"] = "SSL"
+    return config
