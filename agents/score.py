@@ -36,11 +36,11 @@ from agents.reload import Reloader
 from agents.tally import install_merchant_tally
 from app import redis_client
 from app.contract import Transaction
+from app.eos import ExactlyOnce, TakenBatch
 from app.errors import ConfigError
-from app.faust_app import RAW, base_app
-from app.settings import Settings
-from app.eos import CommitFailed, ExactlyOnce, Fenced, TakenBatch
+from app.faust_app import base_app
 from app.librdkafka import client_config
+from app.settings import Settings
 from models.registry import load_ensemble
 from pipeline.admission import Admission
 from pipeline.auth import ClientKeys, RedisReplayGuard
@@ -54,7 +54,7 @@ from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
 from pipeline.validate import Limits
 
-__all__ = ["Runtime", "create_app", "exactly_once", "handle_batch", "scoring_group"]
+__all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "scoring_group"]
 
 log = logging.getLogger(__name__)
 
@@ -179,14 +179,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         await reloader.apply(scorer)  # the shadow and drift reference, if any
         await stream.start()
         log.info("scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id)
+        loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings)
         try:
-            while True:
-                batch = await stream.take(settings.batch_size, settings.batch_window_s)
-                if batch.messages:
-                    await handle_batch(
-                        batch, stream=stream, scorer=scorer, reloader=reloader, metrics=metrics,
-                        topics=topics, sign=runtime.decision_signer,
-                    )  # fmt: skip
+            await loop.run()
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -195,6 +190,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             log.critical("the scoring loop failed; exiting so the worker is restarted", exc_info=True)
             os._exit(70)
         finally:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(loop.drain(), 10.0)
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(stream.close(), 10.0)  # leaves the group: its partitions move at once
 
@@ -229,34 +226,82 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
     return stream
 
 
-async def handle_batch(
-    batch: TakenBatch,
-    *,
-    stream: ExactlyOnce,
-    scorer: Scorer,
-    reloader: Reloader,
-    metrics: WorkerMetrics,
-    topics: dict[str, str],
-    sign: Signs | None,
-) -> BatchOutput | None:
-    """One micro-batch, top to bottom; returns what it committed, or None when
-    its transaction did not commit (its records come back)."""
-    started = time.perf_counter()
-    inbound = [_inbound(msg) for msg in batch.messages]
-    await reloader.apply(scorer)  # a promoted model or rules, between batches
-    output = await scorer.score_batch(inbound)
-    await scorer.finish(output)  # the shadow model: adds to the feedback records
-    try:
-        await stream.commit(batch, output.records(topics, sign))  # outcomes + offsets, one transaction
-    except Fenced as exc:
-        log.warning("%s: their new owner decides this batch", exc)
-        return None
-    except CommitFailed as exc:
-        log.warning("%s", exc)
-        return None
-    await _write_cache(scorer, output.to_cache)  # only what committed
-    metrics.observe_batch(inbound, output, started)
-    return output
+class ScoringLoop:
+    """Take a batch, score it, send its outcomes in the open transaction;
+    commit every ``FRAUD_COMMIT_INTERVAL_S``; then cache what committed."""
+
+    def __init__(
+        self,
+        stream: ExactlyOnce,
+        scorer: Scorer,
+        reloader: Reloader,
+        metrics: WorkerMetrics,
+        topics: dict[str, str],
+        sign: Signs | None,
+        settings: Settings,
+    ) -> None:
+        self.stream, self.scorer, self.reloader, self.metrics = stream, scorer, reloader, metrics
+        self.topics, self.sign = topics, sign
+        self.batch_size, self.window_s = settings.batch_size, settings.batch_window_s
+        self.interval_s = settings.commit_interval_s
+        #: Per open (or just settled) transaction, the batches sent in it.
+        self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
+
+    async def run(self) -> None:
+        while True:
+            await self.step()
+
+    async def step(self) -> None:
+        """One batch (or none, after ``FRAUD_BATCH_WINDOW_S``), then a commit when one is due."""
+        wait = self.window_s
+        opened = self.stream.open_since
+        if opened is not None:
+            wait = max(0.0, min(wait, opened + self.interval_s - time.monotonic()))
+        batch = await self.stream.take(self.batch_size, wait)
+        if batch.messages:
+            await self.handle(batch)
+        opened = self.stream.open_since
+        if opened is not None and time.monotonic() - opened >= self.interval_s:
+            self.settle(await self.stream.commit())
+        elif self.stream.has_settled():
+            self.settle(await self.stream.commit())  # a rebalance settled one inside take()
+
+    async def handle(self, batch: TakenBatch) -> BatchOutput | None:
+        """One micro-batch, top to bottom."""
+        started = time.perf_counter()
+        inbound = [_inbound(msg) for msg in batch.messages]
+        await self.reloader.apply(self.scorer)  # a promoted model or rules, between batches
+        output = await self.scorer.score_batch(inbound)
+        await self.scorer.finish(output)  # the shadow model: adds to the feedback records
+        seq = await self.stream.send(batch, output.records(self.topics, self.sign))
+        if seq is None:
+            return None  # taken before a rebalance: it comes again
+        # A resend in a later batch of this transaction finds its first decision here.
+        _hold(self.scorer.cache, output.to_cache)
+        self.pending.setdefault(seq, []).append((inbound, output, started))
+        return output
+
+    def settle(self, outcomes: list[tuple[int, str]]) -> None:
+        for seq, outcome in outcomes:
+            batches = self.pending.pop(seq, [])
+            if outcome == "committed":
+                for inbound, output, started in batches:
+                    self._cache_later(output.to_cache)
+                    self.metrics.observe_batch(inbound, output, started)
+            else:
+                log.warning("%d batch(es) not committed (%s): their records are decided again", len(batches), outcome)
+                for _, output, _ in batches:
+                    _release(self.scorer.cache, output.to_cache)
+
+    def _cache_later(self, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+        if decisions:
+            task = asyncio.ensure_future(_write_cache(self.scorer, decisions))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def drain(self) -> None:
+        """Commit what is open (on shutdown)."""
+        if self.pending:
+            self.settle(await self.stream.commit())
 
 
 def scoring_group(settings: Settings) -> str:
@@ -267,13 +312,26 @@ def scoring_group(settings: Settings) -> str:
 
 async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
     if decisions:
-        # NOTE: awaited before the next batch is taken: a resend one batch
-        # behind its original must find this decision (a fire-and-forget
-        # write raced it). Bounded, and never fails the batch.
+        # NOTE: not awaited by the loop: the decisions are held in this
+        # worker's local cache from the moment they were sent (a resend in a
+        # later batch finds them there); Redis is for other workers, after a
+        # rebalance. Bounded, and never fails a batch.
         try:
             await asyncio.wait_for(scorer.cache.put_many(decisions), CACHE_WRITE_TIMEOUT_S)
         except Exception as exc:
             log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
+
+
+def _hold(cache: Any, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+    hold = getattr(cache, "hold", None)  # LocalFirstCache (what a worker builds)
+    if hold is not None and decisions:
+        hold(decisions)
+
+
+def _release(cache: Any, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+    release = getattr(cache, "release", None)
+    if release is not None and decisions:
+        release(decisions)
 
 
 def _inbound(msg: Any) -> Inbound:

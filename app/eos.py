@@ -11,13 +11,18 @@ partition's new owner reads the committed offsets with ``require_stable``
 (librdkafka does by default), so it starts exactly where the last committed
 transaction left the partition.
 
-One batch, one transaction: :meth:`ExactlyOnce.take` returns what the consumer
-has (up to ``max_records``, waiting at most ``within_s``), and
-:meth:`ExactlyOnce.commit` produces the batch's records and commits its
-offsets, all or nothing. A transaction that fails is aborted and the
-consumer is rewound to the batch's first offsets, so the same records come
-back (to this worker, or to the partitions' next owner): never a decision
-without its offset, never an offset without its decision.
+A transaction spans batches, as Kafka Streams' commit interval does:
+:meth:`ExactlyOnce.take` returns what the consumer has (up to ``max_records``,
+waiting at most ``within_s``), :meth:`ExactlyOnce.send` produces a batch's
+records in the open transaction (begun by the first), and
+:meth:`ExactlyOnce.commit` commits every offset sent with it, all or nothing.
+What a transaction costs the broker (its requests, a marker in every
+partition it wrote) is paid once per commit interval, not once per batch;
+what it costs a decision is the wait until the commit makes it visible.
+A transaction that fails is aborted and the consumer goes back to the
+committed offsets, so the same records come back (to this worker, or to the
+partitions' next owner): never a decision without its offset, never an offset
+without its decision.
 
 Every call into librdkafka that can block (consume, the transaction's round
 trips) runs on one thread of its own, in order, so the event loop keeps
@@ -36,9 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from app.errors import FraudPipelineError
-
-__all__ = ["CommitFailed", "ExactlyOnce", "Fenced", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
+__all__ = ["ExactlyOnce", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +60,6 @@ COMMIT_RETRIES = 3
 
 #: (topic, key, value, headers): one record to produce.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
-
-
-class Fenced(FraudPipelineError):
-    """This worker may no longer commit the batch's partitions: the group moved on."""
-
-
-class CommitFailed(FraudPipelineError):
-    """A batch's transaction was aborted; its records will be consumed again."""
 
 
 class Message(Protocol):
@@ -100,6 +95,22 @@ class TakenBatch:
                 batch.first[p] = o
             batch.next_offsets[p] = o + 1
         return batch
+
+
+@dataclass
+class _OpenTransaction:
+    """The batches sent in one transaction (client thread only)."""
+
+    seq: int
+    generation: int
+    began: float
+    first: dict[int, int] = field(default_factory=dict)
+    next_offsets: dict[int, int] = field(default_factory=dict)
+
+    def add(self, batch: TakenBatch) -> None:
+        for p, o in batch.first.items():
+            self.first.setdefault(p, o)
+        self.next_offsets.update(batch.next_offsets)
 
 
 def _fencing_codes() -> tuple[int, ...]:
@@ -166,6 +177,9 @@ class ExactlyOnce:
         self._consumer: Any = None
         self._producer: Any = None
         self.assigned: set[int] = set()
+        self._txn: _OpenTransaction | None = None
+        self._seq = 0
+        self._settled: list[tuple[int, str]] = []
         #: What this worker committed last per partition (next offset to read).
         self.committed_offsets: dict[int, int] = {}
         self.generation = 0
@@ -213,6 +227,9 @@ class ExactlyOnce:
     # -- rebalance callbacks (client thread, inside consume) -----------------------
 
     def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None:  # NOTE: a revocation always comes first; kept as the rule
+            self._settle(txn, self._commit(txn))
         self.generation += 1
         numbers = {tp.partition for tp in partitions}
         self.assigned = numbers
@@ -220,6 +237,12 @@ class ExactlyOnce:
         self.on_assigned(numbers)
 
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
+        # The open transaction holds records of these partitions: it ends
+        # before they are given up (committed while this worker still owns
+        # them, as Kafka Streams does; aborted if the group refuses).
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            self._settle(txn, self._commit(txn))
         self.generation += 1
         numbers = {tp.partition for tp in partitions}
         self.assigned -= numbers
@@ -256,31 +279,24 @@ class ExactlyOnce:
             return []
         return out
 
-    async def commit(self, batch: TakenBatch, records: Sequence[Record]) -> None:
-        """Produce ``records`` and commit the batch's offsets, in one transaction.
+    async def send(self, batch: TakenBatch, records: Sequence[Record]) -> int | None:
+        """Produce ``records`` in the open transaction (one is begun if none is),
+        with ``batch``'s offsets to be committed by it; returns the transaction's
+        number, or None when the batch was taken before a rebalance (its records
+        come again, here or elsewhere, and nothing was produced)."""
+        seq: int | None = await self._call(self._send, batch, records)
+        return seq
 
-        Raises :class:`Fenced` when the group gave the partitions to another
-        worker (nothing became visible; their new owner decides the batch), or
-        :class:`CommitFailed` when the transaction did not commit for another
-        reason: the consumer then goes back to the committed offsets, so the
-        batch comes back.
-        """
-        result = await self._call(self._commit, batch, records)
-        self.on_result(result)
-        if result == "fenced":
-            raise Fenced(f"partitions {sorted(batch.first)} of {self.topic}: the group moved on")
-        if result != "committed":
-            raise CommitFailed(f"transaction {result}; the batch will be consumed again")
-
-    def _commit(self, batch: TakenBatch, records: Sequence[Record]) -> str:
+    def _send(self, batch: TakenBatch, records: Sequence[Record]) -> int | None:
         kafka = _kafka()
         if batch.generation != self.generation:
-            # Taken before a rebalance: the consumer already went back to the
-            # committed offsets, and the records come again (here or elsewhere).
-            return "fenced"
+            return None
         producer = self._producer
         try:
-            producer.begin_transaction()
+            if self._txn is None:
+                producer.begin_transaction()
+                self._seq += 1
+                self._txn = _OpenTransaction(self._seq, self.generation, time.monotonic())
             produce = producer.produce
             for topic, key, value, headers in records:
                 while True:
@@ -289,14 +305,70 @@ class ExactlyOnce:
                         break
                     except BufferError:  # the local queue is full: let deliveries drain it
                         producer.poll(0.005)
-            offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in batch.next_offsets.items()]
+        except kafka.KafkaException as exc:
+            # The transaction cannot go on: end it (aborted); this batch's
+            # records come back with the rest of it.
+            txn = self._txn or _OpenTransaction(self._seq + 1, self.generation, time.monotonic())
+            self._seq = txn.seq
+            txn.add(batch)
+            self._txn = None
+            self._settle(txn, self._recover(txn, exc.args[0] if exc.args else None))
+            return txn.seq
+        self._txn.add(batch)
+        return self._txn.seq
+
+    def has_settled(self) -> bool:
+        """Whether a transaction was settled outside :meth:`commit` (by a rebalance)."""
+        return bool(self._settled)
+
+    @property
+    def open_since(self) -> float | None:
+        """``time.monotonic()`` when the open transaction began; None when none is open."""
+        txn = self._txn
+        return None if txn is None else txn.began
+
+    async def commit(self) -> list[tuple[int, str]]:
+        """Commit the open transaction, with the offsets of every batch sent in it.
+
+        Returns every transaction settled since the last call, as (number,
+        outcome): ``committed``; ``fenced`` (the group gave the partitions to
+        another worker: nothing became visible, their new owner decides the
+        records); ``aborted`` (nothing became visible; the consumer went back
+        to the committed offsets, so the records come again). A rebalance may
+        settle a transaction inside :meth:`take` (committed before its
+        partitions are given up); its outcome is returned here too.
+        """
+        settled: list[tuple[int, str]] = await self._call(self._commit_open)
+        return settled
+
+    def _commit_open(self) -> list[tuple[int, str]]:
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            self._settle(txn, self._commit(txn))
+        settled, self._settled = self._settled, []
+        return settled
+
+    def _settle(self, txn: _OpenTransaction, outcome: str) -> None:
+        self._settled.append((txn.seq, outcome))
+        self.on_result(outcome)
+
+    def _commit(self, txn: _OpenTransaction) -> str:
+        kafka = _kafka()
+        producer = self._producer
+        if txn.generation != self.generation:
+            # NOTE: unreachable by design (a rebalance settles the open
+            # transaction before it completes), kept as the rule it relies on.
+            self._recover(txn, None)
+            return "fenced"
+        try:
+            offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in txn.next_offsets.items()]
             producer.send_offsets_to_transaction(offsets, self._consumer.consumer_group_metadata(), TXN_CALL_TIMEOUT_S)
         except kafka.KafkaException as exc:
-            return self._recover(batch, exc.args[0] if exc.args else None, committing=False)
+            return self._recover(txn, exc.args[0] if exc.args else None)
         for attempt in range(COMMIT_RETRIES):
             try:
                 producer.commit_transaction(TXN_CALL_TIMEOUT_S)
-                self.committed_offsets.update(batch.next_offsets)
+                self.committed_offsets.update(txn.next_offsets)
                 producer.poll(0)  # delivery reports: none are awaited, free their memory
                 return "committed"
             except kafka.KafkaException as exc:
@@ -304,20 +376,21 @@ class ExactlyOnce:
                 if err is not None and err.retriable() and attempt + 1 < COMMIT_RETRIES:
                     log.warning("commit of a transaction: %s; trying again", err)
                     continue  # librdkafka: a retriable commit error may be retried as is
-                return self._recover(batch, err, committing=True)
+                return self._recover(txn, err)
         raise AssertionError("unreachable")
 
-    def _recover(self, batch: TakenBatch, err: Any, *, committing: bool) -> str:
+    def _recover(self, txn: _OpenTransaction, err: Any) -> str:
         """After a transaction that did not commit: abort it, or start a new
         producer (a new epoch aborts whatever the old one left open), then put
-        the batch's partitions back at their committed offsets.
+        its partitions back at their committed offsets.
 
-        Committed offsets, not the batch's first: a commit whose answer was
+        Committed offsets, not the first ones sent: a commit whose answer was
         lost may have committed. They are read with ``require_stable``, so
         after the abort they say exactly what became visible.
         """
         kafka = _kafka()
-        log.warning("transaction of partitions %s failed: %s", sorted(batch.first), err)
+        if err is not None:
+            log.warning("transaction of partitions %s failed: %s", sorted(txn.first), err)
         try:
             if err is None or err.fatal() or not err.txn_requires_abort():
                 raise kafka.KafkaException(err)
@@ -327,17 +400,16 @@ class ExactlyOnce:
             # two workers given one FRAUD_WORKER_ID), or an outcome unknown.
             log.warning("transactional producer replaced after: %s", exc)
             self._replace_producer()
-        if self.generation != batch.generation:
-            return "fenced"
-        kept = [p for p in batch.first if p in self.assigned]
-        try:
-            tps = [kafka.TopicPartition(self.topic, p) for p in kept]
-            committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}
-        except kafka.KafkaException as exc:
-            log.warning("reading committed offsets failed (%s): the batch's first offsets are used", exc)
-            committed = {p: -1 for p in kept}
-        # No committed offset yet (-1001): the batch's own first offset is where it starts.
-        self._seek({p: o if o >= 0 else batch.first[p] for p, o in committed.items()})
+        kept = [p for p in txn.first if p in self.assigned]
+        if kept and txn.generation == self.generation:
+            try:
+                tps = [kafka.TopicPartition(self.topic, p) for p in kept]
+                committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}
+            except kafka.KafkaException as exc:
+                log.warning("reading committed offsets failed (%s): going back to the first offsets sent", exc)
+                committed = {p: -1 for p in kept}
+            # No committed offset yet (negative): the transaction's first offset is where it starts.
+            self._seek({p: o if o >= 0 else txn.first[p] for p, o in committed.items()})
         fenced = err is not None and err.code() in _fencing_codes()
         return "fenced" if fenced else "aborted"
 

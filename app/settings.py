@@ -259,6 +259,15 @@ class Settings(BaseSettings):
     batch_window_s: float = 0.01
     """Micro-batch window: a batch is scored when full or after this long."""
 
+    commit_interval_s: float = 0.05
+    """How long one Kafka transaction stays open over consecutive batches before
+    it commits them (Kafka Streams' ``commit.interval.ms`` under exactly-once).
+    A decision becomes visible when its transaction commits, so this adds up to
+    its length to a decision's latency; what it saves is the broker's cost per
+    transaction (requests, a marker in every partition written), paid once per
+    interval instead of once per batch (docs/performance.md). 0: every batch
+    commits on its own."""
+
     model_budget_ms: float = 50.0
     """Ensemble latency budget per batch; past it decisions fall back to rules."""
 

@@ -39,6 +39,7 @@ from pipeline.feature_defs import (
     MAX_KNOWN_DEVICES,
     MERCHANT_LABEL_DELAY_DAYS,
     PROFILE_WINDOWS_DAYS,
+    VELOCITY_MAX_EVENTS,
     VELOCITY_WINDOWS_S,
 )
 
@@ -418,7 +419,8 @@ def _merchant_columns(
 
 
 def _velocity_columns(out: np.ndarray, past: pd.DataFrame, users: np.ndarray, user_of: np.ndarray, ts: np.ndarray) -> None:
-    """Count and sum of the user's transactions with ``now - w < time <= now`` (the row included)."""
+    """Count and sum of the user's transactions with ``now - w < time <= now`` (the row
+    included), among its newest ``VELOCITY_MAX_EVENTS`` up to the row."""
     past_ts = past["ts"].to_numpy(dtype=np.float64)
     recent = past_ts >= float(ts.min()) - max(VELOCITY_WINDOWS_S)
     line = _Timeline(users[recent], past_ts[recent])
@@ -435,6 +437,7 @@ def _velocity_columns(out: np.ndarray, past: pd.DataFrame, users: np.ndarray, us
         return np.where(pos > start, before[pos], 0.0)
 
     for i, window in enumerate(VELOCITY_WINDOWS_S):
-        lo = line.position(user_of, ts - window, inclusive=True)
+        # At most the newest VELOCITY_MAX_EVENTS up to the row (as served).
+        lo = np.maximum(line.position(user_of, ts - window, inclusive=True), hi - VELOCITY_MAX_EVENTS)
         out[:, _F["velocity_count_10m"] + i] = hi - lo
         out[:, _F["velocity_sum_10m"] + i] = prefix(hi) - prefix(lo)

@@ -201,6 +201,12 @@ class LocalFirstCache:
         return out
 
     async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        self.hold(items)
+        await self.shared.put_many(items)
+
+    def hold(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        """Store locally only: decisions sent in a transaction not yet committed,
+        so that a resend in a later batch of it is answered with them."""
         expires = self._clock() + self.ttl_s
         for tx, decision in items:
             for key in decision_keys(tx):
@@ -208,4 +214,12 @@ class LocalFirstCache:
                     self._items[key] = (expires, decision)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
-        await self.shared.put_many(items)
+
+    def release(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+        """Forget held decisions whose transaction did not commit: they never
+        became visible, and their records will be decided again."""
+        for tx, decision in items:
+            for key in decision_keys(tx):
+                held = self._items.get(key)
+                if held is not None and held[1] is decision:
+                    del self._items[key]

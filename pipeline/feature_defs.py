@@ -12,16 +12,22 @@ __all__ = [
     "MAX_KNOWN_DEVICES",
     "MERCHANT_LABEL_DELAY_DAYS",
     "PROFILE_WINDOWS_DAYS",
+    "VELOCITY_MAX_EVENTS",
     "VELOCITY_WINDOWS_S",
 ]
 
 #: Bump when a feature's definition changes: profiles in Redis and models in the
 #: registry carry it, and a mismatch is refused rather than silently mis-scored.
-FEATURE_SET_VERSION = "fs2"
+FEATURE_SET_VERSION = "fs3"
 
 DAY_S = 86400.0
 PROFILE_WINDOWS_DAYS = (1, 7, 30)
 VELOCITY_WINDOWS_S = (600.0, 3600.0, 86400.0)
+#: Velocity counts and sums see at most the user's newest this many events up
+#: to the transaction: what one transaction costs Redis and the worker stays
+#: bounded when one card is hammered (card testing, a bot), where it grew with
+#: the card's activity. A legitimate card makes a few payments a day.
+VELOCITY_MAX_EVENTS = 32
 MERCHANT_LABEL_DELAY_DAYS = 7
 HOME_WINDOW_DAYS = 90
 MAX_KNOWN_DEVICES = 16

@@ -27,6 +27,7 @@ from app.redis_keys import merchant_key, profile_key, velocity_key
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
+    VELOCITY_MAX_EVENTS,
     MerchantRisk,
     UserProfile,
     velocity_from_events,
@@ -46,17 +47,23 @@ __all__ = [
 VELOCITY_RETENTION_S = 2 * DAY_S
 
 
-#: Add the transaction to the user's velocity set, prune events past retention,
-#: refresh the TTL and return the events of the 24 h window ending at the
-#: transaction, with their times. One command instead of four per transaction:
+#: A user's velocity set keeps at most this many newest events (twice what the
+#: features read: an event that arrives late still finds its window's newest).
+VELOCITY_KEEP_EVENTS = 2 * VELOCITY_MAX_EVENTS
+
+#: Add the transaction to the user's velocity set, prune events past retention
+#: and past VELOCITY_KEEP_EVENTS, refresh the TTL and return the newest
+#: VELOCITY_MAX_EVENTS events of the 24 h window ending at the transaction,
+#: with their times. One command instead of four per transaction:
 #: on 2 cores the client-side cost of each pipelined command is what counts.
 #: The features themselves are computed in Python by velocity_from_events, the
 #: same function training uses.
-VELOCITY_SCRIPT = """
+VELOCITY_SCRIPT = f"""
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -{VELOCITY_KEEP_EVENTS + 1})
 redis.call('EXPIRE', KEYS[1], ARGV[5])
-return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], ARGV[2], 'WITHSCORES')
+return redis.call('ZRANGE', KEYS[1], ARGV[2], '(' .. ARGV[4], 'BYSCORE', 'REV', 'LIMIT', 0, {VELOCITY_MAX_EVENTS}, 'WITHSCORES')
 """
 
 
@@ -81,15 +88,16 @@ for i = 1, n do
   local a = 3 + (i - 1) * 4
   redis.call('ZADD', KEYS[i], ARGV[a + 2], ARGV[a + 1])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', '(' .. ARGV[a + 3])
+  redis.call('ZREMRANGEBYRANK', KEYS[i], 0, -%(keep_events)d)
   redis.call('EXPIRE', KEYS[i], keep)
-  out[i] = redis.call('ZRANGEBYSCORE', KEYS[i], '(' .. ARGV[a + 4], ARGV[a + 2], 'WITHSCORES')
+  out[i] = redis.call('ZRANGE', KEYS[i], ARGV[a + 2], '(' .. ARGV[a + 4], 'BYSCORE', 'REV', 'LIMIT', 0, %(max_events)d, 'WITHSCORES')
 end
 local first = 3 + n * 4
 for j = first + 1, #ARGV do
   out[n + j - first] = redis.call('HGETALL', ARGV[j])
 end
 return out
-"""
+""" % {"keep_events": VELOCITY_KEEP_EVENTS + 1, "max_events": VELOCITY_MAX_EVENTS}
 
 
 def velocity_member(tx: Transaction) -> str:

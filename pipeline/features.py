@@ -40,6 +40,7 @@ from pipeline.feature_defs import (
     MAX_KNOWN_DEVICES,
     MERCHANT_LABEL_DELAY_DAYS,
     PROFILE_WINDOWS_DAYS,
+    VELOCITY_MAX_EVENTS,
     VELOCITY_WINDOWS_S,
 )
 
@@ -172,7 +173,8 @@ def haversine_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
 
 
 def velocity_from_events(times: np.ndarray, amounts: np.ndarray, now: float) -> tuple[float, ...]:
-    """Counts then sums of events with ``now - w < time <= now`` per velocity window.
+    """Counts then sums of events with ``now - w < time <= now`` per velocity window,
+    over the newest :data:`VELOCITY_MAX_EVENTS` events up to ``now``.
 
     ``times``/``amounts`` are the user's events of the last 24 h (any order),
     the current transaction included.
@@ -180,6 +182,10 @@ def velocity_from_events(times: np.ndarray, amounts: np.ndarray, now: float) -> 
     times = np.asarray(times, dtype=np.float64)
     amounts = np.asarray(amounts, dtype=np.float64)
     upto = times <= now
+    if np.count_nonzero(upto) > VELOCITY_MAX_EVENTS:
+        order = np.argsort(np.where(upto, times, -np.inf), kind="stable")[::-1][:VELOCITY_MAX_EVENTS]
+        times, amounts = times[order], amounts[order]
+        upto = np.ones(len(times), dtype=bool)
     counts, sums = [], []
     for window in VELOCITY_WINDOWS_S:
         inside = upto & (times > now - window)

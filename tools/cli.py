@@ -370,7 +370,7 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
 
     cfg = LoadConfig(
         rate=args.rate, duration_s=args.duration, data=args.data, fraud_rate=args.fraud_rate,
-        seed=args.seed, report_every_s=args.every, label_share=args.labels,
+        seed=args.seed, report_every_s=args.every, label_share=args.labels, verify_share=args.verify_share,
     )
     summary = asyncio.run(run_load(cfg))
     if args.json:
@@ -596,6 +596,8 @@ def _add_service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--json", help="write the summary here")
     p.add_argument("--labels", type=float, default=0.0,
                    help="share of transactions also labelled with the simulator's ground truth (feedback loop demos)")
+    p.add_argument("--verify-share", type=float, default=1.0,
+                   help="share of decisions whose signature is checked (with FRAUD_DECISION_PUBLIC_KEYS*)")
     p.set_defaults(func=cmd_loadgen)
 
 
