@@ -579,16 +579,34 @@ def new_cluster_id() -> str:
 def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
     """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
     ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
-    are never written to the log)."""
+    are never written to the log).
+
+    NOTE: the main class and its arguments go in a Java argument file (``@file``,
+    0600, removed afterwards), not on the command line: ``/proc/<pid>/cmdline`` is
+    readable by every local user, and ``--add-scram`` carries every user's password.
+    The launcher expands ``@`` files only up to the main class, so the class is in
+    the file too.
+    """
     cluster_id = new_cluster_id()
-    result = subprocess.run(
-        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+    argfile = log_path.parent / "format.args"
+    arguments = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra]
+    _write_private(argfile, "".join(_java_argfile_quote(a) + "\n" for a in arguments))
+    try:
+        result = subprocess.run(
+            [*jvm, f"@{argfile}"], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+    finally:
+        argfile.unlink(missing_ok=True)
     with log_path.open("a") as log:
         log.write(result.stdout + result.stderr)
     if result.returncode != 0:
         raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
+
+
+def _java_argfile_quote(argument: str) -> str:
+    """One argument as a Java ``@file`` holds it: in double quotes, where a
+    backslash escapes (paths with spaces, ``#`` or quotes stay one argument)."""
+    return '"' + argument.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def start_redis(
