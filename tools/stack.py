@@ -653,20 +653,20 @@ def redis_password_path(workdir: Path, role: str) -> Path:
 
 def _write_acl(acl_file: Path, workdir: Path) -> str:
     """An ACL file of the role users and ``admin``, passwords stored as SHA-256; returns admin's password."""
-    from app.redis_keys import ACL_COMMANDS, ACL_KEY_PATTERNS
+    from app.redis_acl import ROLE_CODE, acl_rule
 
     lines = ["user default off"]
     admin = ""
-    for role, patterns in {**ACL_KEY_PATTERNS, "admin": ("~*",)}.items():
+    for role in (*ROLE_CODE, "admin"):
         password = secrets.token_hex(24)
         path = redis_password_path(workdir, role)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(password + "\n")
-        commands = "+@all" if role == "admin" else ACL_COMMANDS
+        rules = "resetchannels ~* +@all" if role == "admin" else acl_rule(role)
         digest = hashlib.sha256(password.encode()).hexdigest()
-        lines.append(f"user {role} on #{digest} resetchannels {' '.join(patterns)} {commands}")
+        lines.append(f"user {role} on #{digest} {rules}")
         if role == "admin":
             admin = password
     acl_file.write_text("\n".join(lines) + "\n")
