@@ -131,7 +131,8 @@ class WorkerMetrics:
         )  # fmt: skip
         self.transactions = Counter(
             "fraud_kafka_transactions",
-            "Kafka transactions of the scoring agent (one per batch and input partition), by result: "
+            "Kafka transactions of the scoring agent (one per batch; scope partition: one per batch and input partition), "
+            "by result: "
             "'committed', 'fenced' (another worker owns the partition now), 'failed' (aborted, retried)",
             ["result"], registry=r,
         )  # fmt: skip

@@ -24,7 +24,6 @@ import orjson
 from app.contract import Transaction
 
 __all__ = [
-    "ACL_COMMANDS",
     "ACL_KEY_PATTERNS",
     "GATEWAY_NAMESPACE",
     "MATERIALIZE_META_KEY",
@@ -179,7 +178,7 @@ def quality_joined_at_key(prefix: str) -> str:
 
 #: The key patterns each role's Redis ACL user may touch (``%R~``: read only),
 #: from the key functions above. tools/stack.py ``start_redis(secure=True)``
-#: creates these users; SECURITY.md (*Redis users*) explains them.
+#: creates these users (app/redis_acl.py adds their commands); SECURITY.md (*Redis users*) explains them.
 ACL_KEY_PATTERNS: dict[str, tuple[str, ...]] = {
     # Scores: reads features, writes velocity, the decision cache, its buckets,
     # the replay guard and (feedback role) the quality counters.
@@ -194,7 +193,4 @@ ACL_KEY_PATTERNS: dict[str, tuple[str, ...]] = {
         "~" + profile_key("*"), "~" + merchant_key("*"), "~" + velocity_key("*"), "~" + MATERIALIZE_META_KEY,
     ),  # fmt: skip
 }
-
-#: What every role may run: no administration and nothing @dangerous (KEYS,
-#: FLUSHALL, CONFIG, DEBUG...). Scripts run under the caller's key patterns.
-ACL_COMMANDS = "+@all -@admin -@dangerous"
+# The commands each role may run: app/redis_acl.py.

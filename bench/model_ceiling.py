@@ -11,7 +11,8 @@ above legitimate rows by any model built on information available at decision
 time. (A known fraud there by a compromised *customer* says nothing about the
 terminal: the simulator draws the two independently.) This tool reads a registered version's saved test scores
 (``report/test_scores.parquet``) and the simulated file (its ``scenario``
-column), and prints, on the rows the version was evaluated on (the Handbook's):
+column: the simulator's names, or the integer codes of the Handbook's
+``TX_FRAUD_SCENARIO`` as its files hold them, :func:`scenario_names`), and prints, on the rows the version was evaluated on (the Handbook's):
 
 * each saved model's AUC / AP / CP@100, and its AUC on detectable and on
   undetectable frauds separately (each against all legitimate rows);
@@ -41,8 +42,9 @@ from bench.run import machine_info
 from models.evaluation import evaluate_scores
 from pipeline.feature_defs import PROFILE_WINDOWS_DAYS
 from pipeline.features import DAY_S, MERCHANT_LABEL_DELAY_DAYS, prepare_history
+from tools.simulator import SCENARIOS
 
-__all__ = ["ceiling_report", "main", "undetectable"]
+__all__ = ["ceiling_report", "main", "scenario_names", "undetectable"]
 
 TERMINAL = "compromised_terminal"
 NOT_MODELS = frozenset({"transaction_id", "user_id", "ts", "label", "evaluated"})
@@ -66,6 +68,28 @@ def undetectable(rows: pd.DataFrame, frauds: pd.DataFrame) -> np.ndarray:
     return (rows["scenario"].to_numpy() == TERMINAL) & ~seen
 
 
+def scenario_names(column: pd.Series) -> pd.Series:
+    """The ``scenario`` column as names (:data:`tools.simulator.SCENARIOS`).
+
+    The simulator writes names; the Handbook's files hold ``TX_FRAUD_SCENARIO``
+    codes, 0 legitimate, 1 amount over 220, 2 compromised terminal, 3
+    compromised customer, which are the simulator's codes in the same order
+    (its extra scenarios are 4 and 5). Anything else is refused: a value read
+    as no known scenario would make every fraud "detectable" without a word.
+    """
+    if pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column):
+        codes = column.to_numpy()
+        valid = np.isfinite(codes) & (codes == np.round(codes)) & (codes >= 0) & (codes < len(SCENARIOS))
+        if not valid.all():
+            raise ValueError(f"scenario codes must be 0-{len(SCENARIOS) - 1}; found {sorted(set(codes[~valid]))[:5]}")
+        return pd.Series(np.asarray(SCENARIOS, dtype=object)[codes.astype(np.int64)], index=column.index)
+    names = column.astype(str)
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {unknown[:5]}: expected {list(SCENARIOS)} or their codes 0-{len(SCENARIOS) - 1}")
+    return names
+
+
 def _model_columns(scores: pd.DataFrame) -> list[str]:
     return [c for c in scores.columns if c not in NOT_MODELS and c not in ("merchant_id", "scenario", "undetectable")]
 
@@ -75,9 +99,8 @@ def ceiling_report(scores: pd.DataFrame, data: pd.DataFrame, *, bootstrap: int =
     file it was trained on (``scenario`` column). Figures on the evaluated rows."""
     if "scenario" not in data:
         raise ValueError("the data file has no 'scenario' column: only simulated data says which fraud is which")
-    history = prepare_history(data.drop(columns=["scenario"])).merge(
-        data[["transaction_id", "scenario"]], on="transaction_id", how="left"
-    )
+    named = pd.DataFrame({"transaction_id": data["transaction_id"].astype(str), "scenario": scenario_names(data["scenario"])})
+    history = prepare_history(data.drop(columns=["scenario"])).merge(named, on="transaction_id", how="left")
     frame = scores.merge(history[["transaction_id", "merchant_id", "scenario"]], on="transaction_id", how="left")
     if frame["scenario"].isna().any():
         raise ValueError("the test scores name transactions the data file does not hold: not the file this version was trained on")

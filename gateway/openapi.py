@@ -57,7 +57,11 @@ def _decision_schema() -> dict[str, Any]:
             "user_id": nullable_str,
             "fraud_score": {"type": "number", "minimum": 0, "maximum": 1},
             "action": {"type": "string", "enum": list(ACTIONS)},
-            "explanation": {"type": "array", "items": _STR, "description": "The reasons, in words."},
+            "explanation": {
+                "type": "array", "items": _STR,
+                "description": "The reasons, in words: the deciding rule, then the model's top reasons; a degraded "
+                "decision adds `degraded: <why>`, and a provisional one then adds `provisional: ...` as the last line.",
+            },  # fmt: skip
             "model_version": nullable_str,
             "rules_version": nullable_str,
             "cached": {"type": "boolean", "description": "Answered from the decision cache (a resend)."},

@@ -22,6 +22,7 @@ without its line, never a line for a change that did not happen.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -44,7 +45,19 @@ def _now_iso() -> str:
 
 
 def who(by: str | None) -> str:
-    return by or os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown"
+    """The operator a change is logged under: ``by`` (``--by``), else the OS user.
+
+    NOTE: the OS user, not only ``$USER``: containers and ``make`` recipes run
+    without it (the demo's promotion was logged as "unknown"). ``getpass`` reads
+    ``LOGNAME``/``USER``/``LNAME``/``USERNAME``, then the password database; a uid
+    without an entry there is logged as ``uid <n>``.
+    """
+    if by:
+        return by
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's arbitrary uid)
+        return f"uid {os.getuid()}"
 
 
 def _log(registry: Path, entry: dict[str, Any]) -> dict[str, Any]:

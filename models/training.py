@@ -34,7 +34,12 @@ and CP@100; the all-rows figures are kept beside them, labelled. Every run also
 fits the Handbook's plain baseline, XGBoost on its 15 features (100 trees,
 depth 6, XGBoost's default learning rate 0.3), on the same training rows and
 scores it on the same test rows, so the ensemble is always compared with it on
-this data rather than with numbers from another generator.
+this data rather than with numbers from another generator. Its features are
+the Handbook's own definitions (:mod:`models.handbook_features`: customer
+windows ending at the transaction, terminal windows 7 days back), computed
+from the history; ``train --from-feedback``, which has served vectors and no
+history, fits it on the served columns that approximate them
+(:data:`HANDBOOK_FEATURES`), and the report says which.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import pandas as pd
 import xgboost as xgb
 
 from models.evaluation import evaluate_scores, handbook_rows, threshold_table, write_report
+from models.handbook_features import HANDBOOK_FEATURE_NAMES, handbook_features
 from models.registry import MemberArtifact, new_version_name, save_version
 from models.selection import BASE_PARAMS, FoldData, fit_member, holdout_fold, margins, prequential_windows, select
 from pipeline.drift import build_reference, top_features, write_reference
@@ -96,11 +102,13 @@ MEMBER_SPECS: tuple[dict[str, Any], ...] = (
     },
 )
 
-#: The Handbook's 15 features, as this code computes them: amount, weekend,
+#: The served columns nearest the Handbook's 15 features: amount, weekend,
 #: night; the customer's count and mean amount over 1/7/30 days; the terminal
-#: (merchant)'s count and fraud rate over 1/7/30 days ending 7 days back. Here the
-#: customer windows end at the start of the transaction's day (the profile a
-#: worker reads), where the Handbook's end at the transaction.
+#: (merchant)'s count and fraud rate over 1/7/30 days ending 7 days back. NOT the
+#: Handbook's: the customer windows end at the start of the transaction's day
+#: (the profile a worker reads) where the Handbook's end at the transaction, and
+#: night ends at 06:00, not 07:00. The baseline uses them only when there is no
+#: history to compute the Handbook's (``train --from-feedback``).
 HANDBOOK_FEATURES: tuple[str, ...] = (
     "amount_usd", "is_weekend", "is_night",
     "user_count_1d", "user_mean_1d", "user_count_7d", "user_mean_7d", "user_count_30d", "user_mean_30d",
@@ -117,6 +125,9 @@ def no_stage(name: str) -> AbstractContextManager[object]:
 
 
 BASELINE = "baseline"
+#: What the baseline's features were, as the report and ``train`` say it.
+BASELINE_HANDBOOK = "the Handbook's 15 features"
+BASELINE_SERVED = "served columns approximating the Handbook's 15 features"
 TEST_SCORES = "test_scores.parquet"
 BASELINE_SPEC: dict[str, Any] = {
     "rounds": 100,
@@ -201,6 +212,11 @@ def train(
 
     x_train, y_train, _ = part(train_start, train_end)
     x_test, y_test, test_rows = part(test_start, end)
+    with stage("handbook features"):
+        # The baseline's own matrices, the same rows in the same order.
+        baseline_x = (handbook_features(history, train_start, train_end, tz), handbook_features(history, test_start, end, tz))
+    if (len(baseline_x[0]), len(baseline_x[1])) != (len(x_train), len(x_test)):
+        raise AssertionError("the Handbook's feature rows differ from the training matrix's")
     # Labels known before each test day: the training window onwards, up to the delay.
     # Only frauds make a customer known compromised: a small frame instead of copies of the history.
     frauds = history.loc[history["label"].to_numpy() > 0, ["user_id", "ts", "label"]]
@@ -219,7 +235,7 @@ def train(
         "test": [_iso(test_start), _iso(end)],
     }
     return fit_and_register(x_train, y_train, x_test, y_test, test_rows, features, window, registry, cfg, keep=keep,
-                            folds=folds or None, progress=progress, stage=stage)  # fmt: skip
+                            folds=folds or None, progress=progress, stage=stage, baseline_x=baseline_x)  # fmt: skip
 
 
 def _window_of(
@@ -245,6 +261,7 @@ def fit_and_register(
     folds: list[FoldData] | None = None,
     progress: bool = False,
     stage: Stage = no_stage,
+    baseline_x: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> TrainResult:
     """Fit the members and the baseline on the train matrix, evaluate on the test
     matrix and register.
@@ -257,6 +274,9 @@ def fit_and_register(
     ``timezone``: the zone the matrices' night/weekend were computed on (default ``cfg.timezone``).
     ``folds``: the prequential validation folds (:mod:`models.selection`); None
     (feedback, or data too short for one): the training rows' last 30 %, by time.
+    ``baseline_x``: the baseline's (train, test) matrices of the Handbook's 15
+    features (:func:`models.handbook_features.handbook_features`); None: the
+    served columns nearest them (:data:`HANDBOOK_FEATURES`).
     """
     log = print if progress else (lambda _: None)
     folds = folds or [holdout_fold(x_train, y_train)]
@@ -285,7 +305,14 @@ def fit_and_register(
         artifacts.append(MemberArtifact(choice.name, booster, weight, choice.features, params))
     ensemble_scores = combination.score(np.column_stack(test_margins))
     with stage("fit baseline"):
-        baseline_scores = _fit_baseline(x_train, y_train, x_test, features, cfg)
+        if baseline_x is None:
+            names = [n for n in HANDBOOK_FEATURES if n in features]
+            idx = [FEATURE_NAMES.index(n) for n in names]
+            baseline_scores = _fit_baseline(x_train[:, idx], y_train, x_test[:, idx], cfg)
+            baseline = {"definition": BASELINE_SERVED, "features": names}
+        else:
+            baseline_scores = _fit_baseline(baseline_x[0], y_train, baseline_x[1], cfg)
+            baseline = {"definition": BASELINE_HANDBOOK, "features": list(HANDBOOK_FEATURE_NAMES)}
 
     all_scores = {"ensemble": ensemble_scores, **member_scores, BASELINE: baseline_scores}
     with stage("evaluate"):
@@ -304,7 +331,7 @@ def fit_and_register(
         "evaluated_frauds": int(y_test[evaluated].sum()),
         "removed_customers": int(test_rows.loc[~evaluated, "user_id"].nunique()),
         "features": features,
-        "baseline": {"features": [n for n in HANDBOOK_FEATURES if n in features], **BASELINE_SPEC},
+        "baseline": {**baseline, **BASELINE_SPEC},
         "combination": combination.to_manifest([c.name for c in choices]),
         "search": {c.name: c.scores for c in choices},
     }
@@ -355,16 +382,12 @@ def _write_test_scores(
     return path
 
 
-def _fit_baseline(
-    x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, features: list[str], cfg: TrainConfig
-) -> np.ndarray:
-    """The Handbook's plain XGBoost on its 15 features; scores the test rows. Not registered."""
-    names = [n for n in HANDBOOK_FEATURES if n in features]
-    idx = [FEATURE_NAMES.index(n) for n in names]
+def _fit_baseline(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, cfg: TrainConfig) -> np.ndarray:
+    """The Handbook's plain XGBoost on its features' matrices; scores the test rows. Not registered."""
     params = {**BASE_PARAMS, **BASELINE_SPEC["params"], "nthread": cfg.threads}
     rounds = max(10, int(BASELINE_SPEC["rounds"] * cfg.rounds_scale))
-    booster = xgb.train(params, xgb.DMatrix(x_train[:, idx], label=y_train, missing=np.nan), num_boost_round=rounds)
-    return np.asarray(booster.inplace_predict(x_test[:, idx]))
+    booster = xgb.train(params, xgb.DMatrix(x_train, label=y_train, missing=np.nan), num_boost_round=rounds)
+    return np.asarray(booster.inplace_predict(x_test))
 
 
 def suggest_thresholds(labels: np.ndarray, scores: np.ndarray) -> dict[str, float]:
@@ -396,7 +419,8 @@ def format_thresholds(table: list[dict[str, float]]) -> str:
 def format_metrics(metrics: dict[str, Any], window: dict[str, Any] | None = None) -> str:
     """The evaluated rows' table and, when there is one, the all-rows table below it, labelled."""
     window = window or {}
-    label = {BASELINE: "baseline (Handbook's 15 features, plain XGBoost)"}
+    definition = (window.get("baseline") or {}).get("definition", BASELINE_SERVED)
+    label = {BASELINE: f"baseline ({definition}, plain XGBoost)"}
     width = max(len(label.get(n, n)) for n in metrics)
 
     def table(pick: dict[str, dict[str, Any]]) -> list[str]:

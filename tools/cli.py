@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"registered {result.version} in {result.folder}")
     print(format_metrics(result.metrics, result.window))
     print(format_thresholds(result.threshold_table))
-    _serve_or_say(settings.registry_dir, result.version, args.serve_if_none)
+    _serve_or_say(settings.registry_dir, result.version, args.serve_if_none, by=args.by)
     lo, hi = HANDBOOK_XGBOOST["auc"], HANDBOOK_XGBOOST["ap"]
     cp = HANDBOOK_XGBOOST["cp_at_100"]
     print(
@@ -130,9 +130,10 @@ def _train_start(value: str | None) -> float | None:
     return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
 
 
-def _serve_or_say(registry: Path, version: str, serve_if_none: bool) -> None:
+def _serve_or_say(registry: Path, version: str, serve_if_none: bool, by: str | None = None) -> None:
     """Training never changes what serves; a fresh registry's first model is
-    promoted only when asked (``--serve-if-none``), and logged like any promotion."""
+    promoted only when asked (``--serve-if-none``), and logged like any promotion
+    (under ``by``, else the OS user: :func:`models.lifecycle.who`)."""
     from app.errors import ModelNotFound
     from models import lifecycle
     from models.registry import current_version
@@ -147,7 +148,7 @@ def _serve_or_say(registry: Path, version: str, serve_if_none: bool) -> None:
         # nothing: every worker would refuse to start on it.
         reason = ("first model in this registry" if serving is None
                   else f"the serving {serving} cannot be served by this code: {unservable}")  # fmt: skip
-        entry = lifecycle.promote(registry, version, reason=f"{reason} (train --serve-if-none)")
+        entry = lifecycle.promote(registry, version, by=by, reason=f"{reason} (train --serve-if-none)")
         print(f"promoted {version}: {reason} (logged: {json.dumps(entry)})")
     elif serving is None:
         print(f"not serving: nothing serves yet; `fraud-pipeline models promote {version}` makes it serve")
@@ -531,6 +532,7 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="if no version serves yet (a fresh registry), or the serving one cannot be "
                         "served by this code (`models check`), promote this one (logged); otherwise "
                         "training never changes what serves")
+    p.add_argument("--by", help="--serve-if-none: who the promotion is logged under (default: the OS user)")
     p.set_defaults(func=cmd_train)
 
 
@@ -541,7 +543,7 @@ def _add_lifecycle_commands(sub: argparse._SubParsersAction[argparse.ArgumentPar
                                    "models shadow VERSION | models shadow off")  # fmt: skip
     p.add_argument("action", choices=["list", "check", "promote", "rollback", "shadow"])
     p.add_argument("version", nargs="?", help="promote/shadow: the version; `shadow off` stops the shadow")
-    p.add_argument("--by", help="who (default $USER)")
+    p.add_argument("--by", help="who the change is logged under (default: the OS user)")
     p.add_argument("--reason", help="recorded with the change")
     p.add_argument("--last", type=int, default=10, help="list: history lines to show")
     p.set_defaults(func=cmd_models)
@@ -550,7 +552,7 @@ def _add_lifecycle_commands(sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("action", choices=["backtest", "promote"])
     p.add_argument("rules_file", type=Path)
     p.add_argument("--since", help="backtest: decisions at or after this ISO time (UTC if no offset)")
-    p.add_argument("--by", help="promote: who (default $USER)")
+    p.add_argument("--by", help="promote: who it is logged under (default: the OS user)")
     p.add_argument("--reason", help="promote: recorded with the change")
     p.add_argument("--json", action="store_true", help="backtest: machine-readable summary")
     p.set_defaults(func=cmd_rules)

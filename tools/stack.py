@@ -579,16 +579,34 @@ def new_cluster_id() -> str:
 def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
     """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
     ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
-    are never written to the log)."""
+    are never written to the log).
+
+    NOTE: the main class and its arguments go in a Java argument file (``@file``,
+    0600, removed afterwards), not on the command line: ``/proc/<pid>/cmdline`` is
+    readable by every local user, and ``--add-scram`` carries every user's password.
+    The launcher expands ``@`` files only up to the main class, so the class is in
+    the file too.
+    """
     cluster_id = new_cluster_id()
-    result = subprocess.run(
-        [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+    argfile = log_path.parent / "format.args"
+    arguments = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra]
+    _write_private(argfile, "".join(_java_argfile_quote(a) + "\n" for a in arguments))
+    try:
+        result = subprocess.run(
+            [*jvm, f"@{argfile}"], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+    finally:
+        argfile.unlink(missing_ok=True)
     with log_path.open("a") as log:
         log.write(result.stdout + result.stderr)
     if result.returncode != 0:
         raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
+
+
+def _java_argfile_quote(argument: str) -> str:
+    """One argument as a Java ``@file`` holds it: in double quotes, where a
+    backslash escapes (paths with spaces, ``#`` or quotes stay one argument)."""
+    return '"' + argument.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def start_redis(
@@ -635,20 +653,20 @@ def redis_password_path(workdir: Path, role: str) -> Path:
 
 def _write_acl(acl_file: Path, workdir: Path) -> str:
     """An ACL file of the role users and ``admin``, passwords stored as SHA-256; returns admin's password."""
-    from app.redis_keys import ACL_COMMANDS, ACL_KEY_PATTERNS
+    from app.redis_acl import ROLE_CODE, acl_rule
 
     lines = ["user default off"]
     admin = ""
-    for role, patterns in {**ACL_KEY_PATTERNS, "admin": ("~*",)}.items():
+    for role in (*ROLE_CODE, "admin"):
         password = secrets.token_hex(24)
         path = redis_password_path(workdir, role)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(password + "\n")
-        commands = "+@all" if role == "admin" else ACL_COMMANDS
+        rules = "resetchannels ~* +@all" if role == "admin" else acl_rule(role)
         digest = hashlib.sha256(password.encode()).hexdigest()
-        lines.append(f"user {role} on #{digest} resetchannels {' '.join(patterns)} {commands}")
+        lines.append(f"user {role} on #{digest} {rules}")
         if role == "admin":
             admin = password
     acl_file.write_text("\n".join(lines) + "\n")

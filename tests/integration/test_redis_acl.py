@@ -1,4 +1,5 @@
-"""Redis ACL users (``tools.stack.start_redis(secure=True)``): each role reaches its own keys only.
+"""Redis ACL users (``tools.stack.start_redis(secure=True)``): each role reaches its own
+keys only, and runs only the commands its code sends (app/redis_acl.py).
 
 A private redis-server with ACLs; every client goes through ``app.redis_client``
 with ``FRAUD_REDIS_USERNAME`` / ``FRAUD_REDIS_PASSWORD_FILE`` settings, as the
@@ -18,8 +19,22 @@ import pytest
 import redis
 
 from app import redis_client
-from app.redis_keys import client_bucket_key, decision_id_key, merchant_key, profile_key, velocity_key
+from app.contract import Transaction
+from app.redis_acl import ROLE_CODE, SENDS, acl_commands
+from app.redis_keys import (
+    client_bucket_key,
+    decision_id_key,
+    gateway_bucket_ids,
+    merchant_key,
+    profile_key,
+    velocity_key,
+)
 from app.settings import Settings
+from pipeline.auth import RedisReplayGuard
+from pipeline.cache import RedisDecisionCache
+from pipeline.feature_store import RedisFeatureStore
+from pipeline.labels import Label
+from pipeline.quality import RedisQualityStore, Served
 from pipeline.ratelimit import RedisRateLimiter
 from tools import stack
 from tools.materialize import materialize
@@ -120,11 +135,6 @@ def test_the_gateway_user_has_its_buckets_and_no_decisions(secure_redis: tuple[s
 def test_the_worker_user_runs_the_scoring_path(secure_redis: tuple[str, Path]) -> None:
     """Enrichment (one script: reads the profile, appends velocity), the decision
     cache and the replay guard, as the worker calls them, under the worker user."""
-    from app.contract import Transaction
-    from pipeline.auth import RedisReplayGuard
-    from pipeline.cache import RedisDecisionCache
-    from pipeline.feature_store import RedisFeatureStore
-
     url, workdir = secure_redis
     settings = Settings(redis_url="redis://" + url.split("@", 1)[1], redis_username="worker",
                         redis_password_file=stack.redis_password_path(workdir, "worker"))  # fmt: skip
@@ -144,6 +154,125 @@ def test_the_worker_user_runs_the_scoring_path(secure_redis: tuple[str, Path]) -
     enriched, cached, fresh = asyncio.run(run())
     assert cached == [{"action": "approve"}] and fresh == [True]
     assert redis.Redis.from_url(url).exists(velocity_key("u-acl"))
+
+
+# --- commands: an allow-list per role ---------------------------------------------------
+
+
+def role_settings(url: str, workdir: Path, role: str, **extra: Any) -> Settings:
+    return Settings(redis_url="redis://" + url.split("@", 1)[1], redis_username=role,
+                    redis_password_file=stack.redis_password_path(workdir, role), **extra)  # fmt: skip
+
+
+async def worker_code(settings: Settings) -> None:
+    """What the scoring and feedback workers send, as they call it: enrichment, the
+    decision cache, the replay guard, the per-client/per-user limiter, the quality
+    join (both orders, past its bound) and ``report quality``'s snapshot."""
+    client = redis_client.async_client(settings, timeout_s=5.0)
+    try:
+        txs = [Transaction(f"t-cmd-{i}", f"u-cmd-{i % 3}", 10.0 + i, "m-cmd", 1_800_000_000.0 + i) for i in range(6)]
+        await RedisFeatureStore(client, local_cache_ttl_s=0).enrich(txs)
+        cache = RedisDecisionCache(client, 60)
+        assert await cache.get_many(txs) == [None] * len(txs)
+        await cache.put_many([(tx, {"action": "approve"}) for tx in txs])
+        await RedisReplayGuard(client).check([("sig-cmd", "0:1")], 60)
+        await RedisRateLimiter(client, 10.0, 5.0, 10.0, 5.0).allow([("pos-cmd", tx.user_id) for tx in txs])
+        store = RedisQualityStore(client, prefix="quality:cmd:", max_joined=2)
+        now = 1_800_000_000.0
+        await store.add_served([Served(f"t-q-{i}", "v1", "r1", "score", "approve", 0.1, now) for i in range(3)])
+        await store.add_labels([Label(f"t-q-{i}", "legit", "chargeback", now) for i in range(6)])
+        await store.add_served([Served(f"t-q-{i}", "v1", "r1", "score", "approve", 0.1, now) for i in range(3, 6)])
+        await store.snapshot()
+    finally:
+        await client.aclose()
+
+
+async def gateway_code(settings: Settings) -> None:
+    """The gateway's limiter on its ``gw:`` buckets, as gateway/rest.py builds it."""
+    client = redis_client.async_client(settings, timeout_s=5.0)
+    try:
+        await RedisRateLimiter(client, 10.0, 5.0, 10.0, 5.0).allow([gateway_bucket_ids("acme", "u-1")])
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_CODE))
+def test_each_roles_code_sends_exactly_its_commands_and_none_is_refused(
+    role: str, tmp_path: Path, sim_frame: pd.DataFrame
+) -> None:
+    """Each role's code on a fresh ACL'd server (scripts not loaded yet, as after a
+    restart): nothing refused (the ACL log stays empty), and the commands it sent
+    are its table's, both ways: the cluster client's discovery aside, which one
+    server never sees."""
+    handle = stack.start_redis(workdir=tmp_path, secure=True)
+    try:
+        admin = redis.Redis.from_url(handle.url, decode_responses=True)
+        admin.config_resetstat()
+        settings = role_settings(handle.url, tmp_path, role)
+        if role == "worker":
+            asyncio.run(worker_code(settings))
+        elif role == "gateway":
+            asyncio.run(gateway_code(settings))
+        else:
+            materialize(sim_frame.head(2000), redis_client.sync_client(settings, timeout_s=10.0), progress=False)
+        assert admin.acl_log() == []
+        sent = {name.removeprefix("cmdstat_") for name in admin.info("commandstats")} - {"config|resetstat", "acl|log"}
+        assert sent == set(acl_commands(role)) - set(SENDS["cluster discovery"])
+    finally:
+        handle.stop()
+
+
+def dry_run(admin: Any, role: str, command: str) -> str | None:
+    """``ACL DRYRUN``: would ``role`` be allowed ``command`` (``name`` or ``name|sub``)?
+    Placeholder arguments are added until the arity fits; None for a container
+    (``SCRIPT``, ``CLIENT``...), whose subcommands are checked one by one."""
+    args = command.split("|")
+    for _ in range(8):
+        try:
+            return str(admin.execute_command("ACL", "DRYRUN", role, *args))
+        except redis.exceptions.ResponseError as exc:
+            if "not found" in str(exc) and "|" not in command:
+                return None
+            if "wrong number of arguments" not in str(exc):
+                raise
+            args.append("0")
+    raise AssertionError(f"no arity fits {command}")
+
+
+#: Redis lets every user run its connection commands flagged ``no-auth``, whatever its ACL.
+EVERYONE = {"auth", "hello", "quit", "reset"}
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_CODE))
+def test_every_command_outside_a_roles_table_is_refused(secure_redis: tuple[str, Path], role: str) -> None:
+    """Every command of every ACL category (``ACL CAT``), subcommands included: the
+    role's own are allowed (``+command`` brings COMMAND's subcommands: the command
+    table, no keys), every other one refused."""
+    admin = redis.Redis.from_url(secure_redis[0], decode_responses=True)
+    everything = {c for cat in admin.execute_command("ACL", "CAT") for c in admin.execute_command("ACL", "CAT", cat)}
+    assert {"scan", "randomkey", "keys", "dbsize", "select", "script|flush", "function|load"} <= everything
+    own = set(acl_commands(role))
+    own |= {c for c in everything if c.split("|")[0] in own}  # a container's subcommands
+    verdicts = {c: dry_run(admin, role, c) for c in everything | own}
+    allowed = {c for c, verdict in verdicts.items() if verdict is not None and "no permissions to run" not in verdict}
+    assert allowed - EVERYONE == own - EVERYONE
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_CODE))
+def test_no_role_lists_keys_flushes_scripts_or_switches_databases(secure_redis: tuple[str, Path], role: str) -> None:
+    """What let the gateway's user learn which user made which payment (``SCAN`` lists
+    ``fp:dec:{u:<user>}:id:<txid>``), and what could wipe the workers' scripts."""
+    admin = redis.Redis.from_url(secure_redis[0])
+    admin.set(decision_id_key("u-1", "t-1"), b"{}")
+    client = as_role(secure_redis, role)
+    refused = [
+        lambda: client.scan(0), lambda: client.randomkey(), lambda: client.keys("*"), lambda: client.dbsize(),
+        lambda: client.execute_command("SELECT", 1), lambda: client.script_flush(), lambda: client.function_flush(),
+        lambda: client.function_load("#!lua name=x\nredis.register_function('x', function() return 1 end)"),
+    ]  # fmt: skip
+    for call in refused:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            call()
 
 
 # --- TLS: rediss:// -------------------------------------------------------------------------
@@ -200,7 +329,7 @@ def test_a_role_reaches_redis_over_tls_with_its_user(tls_redis: tuple[int, Path,
     settings = Settings(redis_url=f"rediss://127.0.0.1:{port}/0", redis_ssl_cafile=ca, redis_username="worker",
                         redis_password_file=stack.redis_password_path(workdir, "worker"))  # fmt: skip
     client = redis_client.sync_client(settings, timeout_s=5.0)
-    assert client.ping()
+    assert client.mget([decision_id_key("u-tls", "t-tls")]) == [None]
     client.zadd(velocity_key("u-tls"), {"e1": 1.0})
     with pytest.raises(redis.exceptions.NoPermissionError):
         client.hset(profile_key("u-tls"), "txn_count_30d", 1)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ S = Settings()
 
 
 class SecureStack:
-    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, state_dir: Path, env: dict[str, str], command_lines: set[str]) -> None:
         self.state_dir = state_dir
         self.env = env
+        self.command_lines = command_lines  # every process's, seen while the stack started
 
     def process_env(self, kafka_user: str | None, redis_user: str | None = None) -> dict[str, str]:
         """The environment of a process of one role, as a user builds it: the stack's env + the role's users."""
@@ -52,6 +54,31 @@ class SecureStack:
         )
 
 
+class CommandLines(threading.Thread):
+    """Reads every process's command line (``/proc/<pid>/cmdline``, which any local
+    user may read) over and over until stopped: what another user could have seen."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.seen: set[str] = set()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        self.seen.add((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                    except OSError:
+                        pass  # the process ended meanwhile
+            self.stopping.wait(0.01)  # the format's JVM lives for seconds
+
+    def stop(self) -> set[str]:
+        self.stopping.set()
+        self.join()
+        return self.seen
+
+
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
     state_dir = tmp_path_factory.mktemp("secure-stack")
@@ -59,11 +86,22 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
     with mock.patch.dict(os.environ):
         os.environ.pop("KAFKA_BOOTSTRAP", None)  # a set one would be taken as given, not started
         os.environ.pop("REDIS_URL", None)
+        sampler = CommandLines()
+        sampler.start()
         try:
-            env = stack.stack_up(state_dir, secure=True, **ports)
-            yield SecureStack(state_dir, env)
+            try:
+                env = stack.stack_up(state_dir, secure=True, **ports)
+            finally:
+                seen = sampler.stop()
+            yield SecureStack(state_dir, env, seen)
         finally:
             stack.stack_down(state_dir)
+
+
+def all_passwords(state_dir: Path) -> list[str]:
+    """Every SCRAM user's password and every Redis user's."""
+    passwords = [kafka_secure.password_file(state_dir, u).read_text().strip() for u in kafka_secure.USERS]
+    return passwords + [p.read_text().strip() for p in (state_dir / "redis-users").glob("*.password")]
 
 
 def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -76,14 +114,24 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 def test_the_secure_stack_env_names_no_user_and_holds_no_password(secure: SecureStack) -> None:
     text = (secure.state_dir / "env").read_text()
-    passwords = [kafka_secure.password_file(secure.state_dir, u).read_text().strip() for u in kafka_secure.USERS]
-    passwords += [p.read_text().strip() for p in (secure.state_dir / "redis-users").glob("*.password")]
+    passwords = all_passwords(secure.state_dir)
     assert len(passwords) == len(kafka_secure.USERS) + 4  # Redis: worker, gateway, materialize, admin
     assert not [p for p in passwords if p in text]
     assert "@" not in secure.env["REDIS_URL"] and "SASL_USERNAME" not in text and "PASSWORD" not in text
     # Redis is secured too: the anonymous default user is off.
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(secure.env["REDIS_URL"], socket_timeout=5).ping()
+
+
+def test_no_password_is_on_a_command_line_while_the_stack_starts(secure: SecureStack) -> None:
+    """The first start formats the broker's log dir with every SCRAM user: no
+    password may be in a process's arguments, which every local user can read."""
+    passwords = all_passwords(secure.state_dir)
+    assert any("kafka.Kafka" in line for line in secure.command_lines)  # the sampler saw the stack start
+    # ... and the JVM before it: the storage tool formatting the log dir
+    assert any(" -cp " in line and "kafka.Kafka" not in line for line in secure.command_lines)
+    leaks = [line.split(" -cp ")[0] for line in secure.command_lines if any(p in line for p in passwords)]
+    assert len(leaks) == 0, f"passwords on the command lines of {leaks}"  # the programs, not the passwords
 
 
 def test_status_and_reuse_work_on_the_secure_stack(secure: SecureStack) -> None:

@@ -178,3 +178,30 @@ def test_every_documented_lifecycle_command_parses() -> None:
             argv += [] if len(argv) > 2 else ["rules.json"]
         args = build_parser().parse_args(argv)  # SystemExit (a test failure) if the CLI rejects it
         assert args.command in ("models", "rules"), line
+
+
+@pytest.mark.parametrize("env_user", [None, "carol"])
+def test_a_promotion_without_by_is_logged_under_the_os_user(
+    monkeypatch: pytest.MonkeyPatch, env_user: str | None
+) -> None:
+    """`make demo` runs without $USER (a container, a recipe): the log said "unknown"."""
+    import os
+    import pwd
+
+    for name in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+        monkeypatch.delenv(name, raising=False)
+    if env_user:
+        monkeypatch.setenv("LOGNAME", env_user)
+    assert lifecycle.who(None) == (env_user or pwd.getpwuid(os.getuid()).pw_name)
+    assert lifecycle.who("alice") == "alice"
+
+
+def test_train_serve_if_none_logs_the_operator_of_by(env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.cli import _serve_or_say, build_parser
+
+    registry, second = env["registry"], env["second"]
+    (registry / "CURRENT").unlink()  # a fresh registry: nothing serves
+    args = build_parser().parse_args(["train", "--serve-if-none", "--by", "alice"])
+    _serve_or_say(registry, second, args.serve_if_none, by=args.by)
+    entry = lifecycle.history(registry)[-1]
+    assert (entry["action"], entry["version"], entry["by"]) == ("promote", second, "alice")

@@ -10,7 +10,9 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from models.evaluation import DAY_S, card_precision_at_k, evaluate_scores, handbook_rows
+from models.handbook_features import HANDBOOK_FEATURE_NAMES
 from models.registry import read_manifest
+from models.training import BASELINE_HANDBOOK
 
 H = 3600.0
 
@@ -124,6 +126,9 @@ def test_train_reports_the_handbook_rows_all_rows_and_the_baseline(trained_regis
     assert set(metrics) == {"ensemble", "broad", "shallow", "forest", "behaviour", "baseline"}
     assert all(set(m) == {"auc", "ap", "cp_at_100", "all_rows"} for m in metrics.values())
     assert len(window["baseline"]["features"]) == 15 and window["baseline"]["rounds"] == 100
+    # The Handbook's own feature definitions, from the history (not the served columns that approximate them).
+    assert window["baseline"]["features"] == list(HANDBOOK_FEATURE_NAMES)
+    assert window["baseline"]["definition"] == BASELINE_HANDBOOK
 
 
 def test_the_saved_test_scores_reproduce_the_registered_metrics(trained_registry: Path) -> None:

@@ -119,7 +119,7 @@ def test_quality_keys_byte_exact() -> None:
 def test_every_key_builder_is_pinned_here() -> None:
     """A builder added to app/redis_keys.py gets its literal key tested in this file."""
     tested = {
-        "ACL_COMMANDS", "ACL_KEY_PATTERNS", "GATEWAY_NAMESPACE", "MATERIALIZE_META_KEY", "QUALITY_PREFIX", "client_bucket_key", "content_hash",
+        "ACL_KEY_PATTERNS", "GATEWAY_NAMESPACE", "MATERIALIZE_META_KEY", "QUALITY_PREFIX", "client_bucket_key", "content_hash",
         "decision_hash_key", "decision_id_key", "decision_keys", "gateway_bucket_ids", "merchant_key", "profile_key",
         "quality_decided_key", "quality_joined_at_key", "quality_joined_key", "quality_label_key", "quality_prefix",
         "quality_served_key", "signature_key", "user_bucket_key", "velocity_key",
