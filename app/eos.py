@@ -138,6 +138,8 @@ class ExactlyOnce:
         heartbeat_interval_ms: int = 1500,
         linger_ms: float = 2.0,
         compression: str = "none",
+        fetch_min_bytes: int = 1,
+        fetch_max_wait_ms: int = 100,
         consumer_factory: Callable[[dict[str, object]], Any] | None = None,
         producer_factory: Callable[[dict[str, object]], Any] | None = None,
     ) -> None:
@@ -157,7 +159,8 @@ class ExactlyOnce:
             # (64 MiB per partition) is memory a worker does not need at a few
             # thousand small records a second.
             "queued.max.messages.kbytes": 8192,
-            "fetch.wait.max.ms": 100,
+            "fetch.min.bytes": fetch_min_bytes,
+            "fetch.wait.max.ms": fetch_max_wait_ms,
         }
         self._producer_config: dict[str, object] = {
             **client_config,

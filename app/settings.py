@@ -259,6 +259,14 @@ class Settings(BaseSettings):
     batch_window_s: float = 0.01
     """Micro-batch window: a batch is scored when full or after this long."""
 
+    fetch_min_bytes: int = 1
+    """The scoring consumer's ``fetch.min.bytes``: the broker answers a fetch once
+    this much is there, or after ``fetch_max_wait_ms``. Above 1, fewer fetch
+    requests for the broker to serve, each decision waiting up to the max wait."""
+
+    fetch_max_wait_ms: int = 100
+    """The scoring consumer's ``fetch.wait.max.ms`` (see ``fetch_min_bytes``)."""
+
     commit_interval_s: float = 0.05
     """How long one Kafka transaction stays open over consecutive batches before
     it commits them (Kafka Streams' ``commit.interval.ms`` under exactly-once).

@@ -30,6 +30,7 @@ from pipeline.features import (
     VELOCITY_MAX_EVENTS,
     MerchantRisk,
     UserProfile,
+    velocity_batch,
     velocity_from_events,
 )
 
@@ -90,7 +91,13 @@ for i = 1, n do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', '(' .. ARGV[a + 3])
   redis.call('ZREMRANGEBYRANK', KEYS[i], 0, -%(keep_events)d)
   redis.call('EXPIRE', KEYS[i], keep)
-  out[i] = redis.call('ZRANGE', KEYS[i], ARGV[a + 2], '(' .. ARGV[a + 4], 'BYSCORE', 'REV', 'LIMIT', 0, %(max_events)d, 'WITHSCORES')
+  local events = redis.call('ZRANGE', KEYS[i], ARGV[a + 2], '(' .. ARGV[a + 4], 'BYSCORE', 'REV', 'LIMIT', 0, %(max_events)d, 'WITHSCORES')
+  local tv = {}
+  for k = 1, #events, 2 do  -- time, amount (the member's part after its last '|')
+    tv[k] = events[k + 1]
+    tv[k + 1] = string.match(events[k], '[^|]*$')
+  end
+  out[i] = tv
 end
 local first = 3 + n * 4
 for j = first + 1, #ARGV do
@@ -268,13 +275,18 @@ class RedisFeatureStore:
         for merchant_id in merchants:
             raw = _pairs(next(hashes))
             self._merchants.put(merchant_id, MerchantRisk.from_mapping(raw) if raw else None, now)
+        # Every transaction's (time, amount) pairs parsed and windowed at once.
+        n = len(txs)
+        lengths = np.fromiter((len(r) for r in replies[:n]), dtype=np.int64, count=n)
+        flat = np.array([v for r in replies[:n] for v in r], dtype=np.float64)
+        velocity = velocity_batch(flat[0::2], flat[1::2], lengths // 2, np.array([tx.timestamp for tx in txs]))
         return [
             Enrichment(
                 profile=self._profiles.get(tx.user_id, now)[1],
                 merchant=self._merchants.get(tx.merchant_id, now)[1],
-                velocity=_velocity(flat, tx),
+                velocity=tuple(row),
             )
-            for tx, flat in zip(txs, replies)
+            for tx, row in zip(txs, velocity.tolist())
         ]
 
     async def close(self) -> None:

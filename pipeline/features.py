@@ -62,6 +62,7 @@ __all__ = [
     "rowwise_matrix",
     "training_matrix",
     "utc_offset_s",
+    "velocity_batch",
     "velocity_from_events",
 ]
 
@@ -177,21 +178,34 @@ def velocity_from_events(times: np.ndarray, amounts: np.ndarray, now: float) -> 
     over the newest :data:`VELOCITY_MAX_EVENTS` events up to ``now``.
 
     ``times``/``amounts`` are the user's events of the last 24 h (any order),
-    the current transaction included.
+    the current transaction included. One row of :func:`velocity_batch`.
     """
     times = np.asarray(times, dtype=np.float64)
-    amounts = np.asarray(amounts, dtype=np.float64)
-    upto = times <= now
-    if np.count_nonzero(upto) > VELOCITY_MAX_EVENTS:
-        order = np.argsort(np.where(upto, times, -np.inf), kind="stable")[::-1][:VELOCITY_MAX_EVENTS]
-        times, amounts = times[order], amounts[order]
-        upto = np.ones(len(times), dtype=bool)
-    counts, sums = [], []
-    for window in VELOCITY_WINDOWS_S:
-        inside = upto & (times > now - window)
-        counts.append(float(np.count_nonzero(inside)))
-        sums.append(float(amounts[inside].sum()))
-    return (*counts, *sums)
+    out = velocity_batch(times, np.asarray(amounts, dtype=np.float64), np.array([len(times)]), np.array([now]))
+    return tuple(out[0].tolist())
+
+
+def velocity_batch(times: np.ndarray, amounts: np.ndarray, lengths: np.ndarray, nows: np.ndarray) -> np.ndarray:
+    """:func:`velocity_from_events` for a whole batch at once: row ``i`` has the
+    next ``lengths[i]`` events of ``times``/``amounts`` and is scored at
+    ``nows[i]``. Returns one row per transaction: counts, then sums, per window."""
+    n = len(lengths)
+    seg = np.repeat(np.arange(n), lengths)
+    now_e = np.asarray(nows, dtype=np.float64)[seg]
+    keep = times <= now_e
+    if len(times) and np.bincount(seg, weights=keep, minlength=n).max() > VELOCITY_MAX_EVENTS:
+        # Newest first within each row; an event's rank among its row's kept ones.
+        order = np.lexsort((-np.where(keep, times, -np.inf), seg))
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        rank = np.empty(len(times), dtype=np.int64)
+        rank[order] = np.arange(len(times)) - starts[seg[order]]
+        keep &= rank < VELOCITY_MAX_EVENTS
+    out = np.empty((n, 2 * len(VELOCITY_WINDOWS_S)), dtype=np.float64)
+    for i, window in enumerate(VELOCITY_WINDOWS_S):
+        inside = keep & (times > now_e - window)
+        out[:, i] = np.bincount(seg, weights=inside, minlength=n)
+        out[:, len(VELOCITY_WINDOWS_S) + i] = np.bincount(seg, weights=np.where(inside, amounts, 0.0), minlength=n)
+    return out
 
 
 def utc_offset_s(timestamp: float, tz: tzinfo | None) -> float:
