@@ -17,12 +17,11 @@ one process, as in tests, never share a metric). It holds:
 NOTE: faust's own Prometheus sensor (``faust_*`` metrics: send latency,
 rebalances, the other topics' messages) is served alongside only with
 ``FRAUD_FAUST_SENSORS=true``; it is off by default (it runs per message on the
-event loop). It does not see ``transactions``, which the agent consumes with
-acks off and commits in its own Kafka transactions (:mod:`app.commits`), and
-with ``take()`` its per-event runtime metrics are wrong (events are never
-marked done): batches and stages are timed here. Lag
-is computed here from the consumer's fetch highwaters and the offsets the
-agent's transactions committed.
+event loop). It does not see ``transactions``, which the scoring loop consumes
+through librdkafka and commits in its own Kafka transactions (:mod:`app.eos`):
+batches and stages are timed here. Lag is computed here from the scoring
+consumer's fetch highwaters and the offsets its transactions committed
+(``WorkerMetrics.offsets``, set by agents/score.py).
 """
 
 from __future__ import annotations
@@ -32,15 +31,13 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from app.seams import faust_committed_offsets
 
 if TYPE_CHECKING:
     import faust
@@ -122,18 +119,11 @@ class WorkerMetrics:
         self.redis_errors = Counter(
             "fraud_redis_errors", "Redis round trips that raised, by operation", ["op"], registry=r
         )
-        self.partition_reseeks = Counter(
-            "fraud_partition_reseeks",
-            "Seeks of a transactions partition: 'hole' (a later offset arrived first; back to the next "
-            "offset), 'quiet' (records waited past it and nothing was decided for FRAUD_STALL_AFTER_S), "
-            "'markers' (forward, over offsets the log holds no committed record at)",
-            ["reason"], registry=r,
-        )  # fmt: skip
         self.transactions = Counter(
             "fraud_kafka_transactions",
-            "Kafka transactions of the scoring agent (one per batch; scope partition: one per batch and input partition), "
-            "by result: "
-            "'committed', 'fenced' (another worker owns the partition now), 'failed' (aborted, retried)",
+            "Kafka transactions of the scoring loop (each spans the batches of FRAUD_COMMIT_INTERVAL_S), by result: "
+            "'committed', 'aborted' (nothing visible; its records are taken again), "
+            "'fenced' (the group moved on: the partitions' new owner decides the records)",
             ["result"], registry=r,
         )  # fmt: skip
         self.model_info = Gauge(
@@ -142,12 +132,8 @@ class WorkerMetrics:
         )  # fmt: skip
         self._versions: tuple[str, str] | None = None
         self._window: deque[tuple[float, int, float]] = deque()  # (monotonic end, messages, busy s)
-        self.consumer: Any = None
-        #: The committed offset per partition, when the agent commits `transactions`
-        #: itself (app/commits.py); else faust's own record of its commits is read.
-        self.committed: Callable[[], Mapping[Any, int]] | None = None
-        #: (topic, partition, highwater, committed) per assigned partition, when the
-        #: worker consumes `transactions` through its own client (app/eos.py).
+        #: (topic, partition, highwater, committed) per assigned partition of the
+        #: scoring consumer (app/eos.py); None in a worker that does not score.
         self.offsets: Callable[[], list[tuple[str, int, int | None, int | None]]] | None = None
         self.registry.register(_ScrapeTimeCollector(self))
         # process_cpu_seconds_total: `scale advise` bounds a worker's capacity by its CPU per message.
@@ -164,7 +150,6 @@ class WorkerMetrics:
         # A `_created` series per counter doubles the scrape for nothing Prometheus uses.
         disable_created_metrics()
         metrics = cls(settings)
-        metrics.consumer = lambda: app.consumer
         if faust_sensors:
             setup_prometheus_sensors(app, pattern="/metrics", registry=metrics.registry, name_prefix="faust")
         else:
@@ -329,28 +314,8 @@ class _ScrapeTimeCollector(Collector):
         yield _gauge("fraud_assigned_partitions", "Partitions of `transactions` assigned to this worker", assigned)
 
     def _offsets(self) -> list[tuple[str, int, int | None, int | None]]:
-        if self.metrics.offsets is not None:  # the scoring stream (app/eos.py)
-            return self.metrics.offsets()
-        get = self.metrics.consumer
-        consumer = get() if get is not None else None
-        if consumer is None:
-            return []
-        try:
-            tps = [tp for tp in consumer.assignment() if tp.topic == self.metrics.topic]
-        except Exception:  # not started, or between rebalances
-            return []
-        # NOTE: what this process committed (Kafka semantics: the next offset to
-        # read), not the broker's answer: that would cost a round trip per scrape.
-        source = self.metrics.committed
-        committed = source() if source is not None else faust_committed_offsets(consumer)
-        out = []
-        for tp in sorted(tps):
-            try:
-                hw = consumer.highwater(tp)
-            except Exception:
-                hw = None
-            out.append((tp.topic, tp.partition, hw, committed.get(tp)))
-        return out
+        offsets = self.metrics.offsets
+        return offsets() if offsets is not None else []
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -298,7 +298,7 @@ class PartitionOffsets:
 
 
 async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, PartitionOffsets]:
-    """Highwater and the group's committed offset for every partition of ``transactions``.
+    """Highwater and the scoring group's committed offset for every partition of ``transactions``.
 
     The highwater is the partition's end offset (ListOffsets, read_uncommitted:
     the high watermark a fetch would report), the committed offsets come from
@@ -309,11 +309,12 @@ async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, Pa
     """
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from agents.score import scoring_group
     from app.topics import kafka_auth, partitions_of
 
     topic = settings.topic_transactions
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=settings.app_id, enable_auto_commit=False,
+        bootstrap_servers=settings.kafka_bootstrap, group_id=scoring_group(settings), enable_auto_commit=False,
         request_timeout_ms=int(timeout_s * 1000), **kafka_auth(settings),
     )  # fmt: skip
     await consumer.start()

@@ -84,7 +84,10 @@ def tally_repartition_topic(settings: Settings) -> str:
 
 def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
+    from agents.score import scoring_group  # NOTE: loads the worker (faust): only when the table is built
+
     s = settings
+    scoring = scoring_group(s)
     every_topic = Grant(
         "topic",
         (s.topic_transactions, s.topic_decisions, s.topic_dlq, s.topic_feedback,
@@ -111,9 +114,12 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             # `labels` feeds the worker's merchant tally (agents/tally.py).
             _read(s.topic_transactions, s.topic_labels),
             _write(s.topic_decisions, s.topic_dlq, s.topic_feedback, s.topic_monitoring),
-            # app/transactional.py: one transactional producer per input partition.
+            # app/eos.py: one transactional producer per worker,
+            # ``<app_id>-score-<topic>-<worker_id>``, and the scoring consumer
+            # group, whose offsets the transactions commit (KIP-447).
             Grant("transactional-id", (f"{s.app_id}-score-",), ("Write", "Describe"), "prefixed"),
-            # faust's consumer group (transactions commit its offsets), and
+            Grant("group", (scoring,), ("Read", "Describe")),
+            # faust's consumer group (the merchant tally reads `labels`), and
             # faust's own topics (changelogs, repartitions, the assignor's
             # leader topic), all named ``<app_id>-...``.
             Grant("group", (s.app_id,), ("Read", "Describe")),
@@ -139,7 +145,7 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         # `transactions` (ListOffsets: Describe) and the scoring group's committed
         # offsets (OffsetFetch: Describe on the group). It reads no record and
         # cannot join, commit to or reset the group.
-        "operator": (every_topic, Grant("group", (s.app_id,), ("Describe",))),
+        "operator": (every_topic, Grant("group", (scoring,), ("Describe",))),
     }
 
 

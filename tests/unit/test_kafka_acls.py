@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from agents.score import scoring_group
 from app.settings import Settings
 from tools import kafka_acls, kafka_secure
 from tools.kafka_acls import ROLES, acl_table, acls, kafka_acls_commands
@@ -90,15 +91,21 @@ def test_only_the_scoring_worker_holds_the_scoring_transactional_ids() -> None:
 
 
 def test_consumer_groups_are_per_role() -> None:
-    assert allowed("scoring-worker", "group", S.app_id, "Read")
+    scoring = scoring_group(S)
+    assert scoring == f"{S.app_id}-score"
+    # The scoring loop's librdkafka consumer (app/eos.py), and faust's own group (the merchant tally).
+    for group in (scoring, S.app_id):
+        assert allowed("scoring-worker", "group", group, "Read")
+        assert allowed("scoring-worker", "group", group, "Describe")
+        assert not allowed("feedback-worker", "group", group, "Read")
+        assert not allowed("payment-client", "group", group, "Read")
     assert not allowed("scoring-worker", "group", f"{S.app_id}-feedback", "Read")
     assert allowed("feedback-worker", "group", f"{S.app_id}-feedback", "Read")
-    assert not allowed("feedback-worker", "group", S.app_id, "Read")
     assert allowed("payment-client", "group", f"{kafka_acls.PAYMENT_GROUP_PREFIX}pos-1", "Read")
-    assert not allowed("payment-client", "group", S.app_id, "Read")
     # The operator sees the scoring group's committed offsets but cannot commit, join or reset it.
-    assert allowed("operator", "group", S.app_id, "Describe")
-    assert not allowed("operator", "group", S.app_id, "Read")
+    assert allowed("operator", "group", scoring, "Describe")
+    assert not allowed("operator", "group", scoring, "Read")
+    assert not allowed("operator", "group", S.app_id, "Describe")
 
 
 def test_no_role_may_alter_the_cluster_or_delete() -> None:

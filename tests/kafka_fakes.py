@@ -1,0 +1,380 @@
+"""An in-memory Kafka behind librdkafka's API, for :mod:`app.eos` and the scoring loop.
+
+:class:`FakeKafka` is the cluster: partitioned logs, consumer groups with a
+generation (KIP-447), transactional ids with an epoch, and the committed view
+a ``read_committed`` reader gets. :class:`FakeConsumer` and
+:class:`FakeProducer` are real implementations of the parts of
+``confluent_kafka.Consumer`` / ``Producer`` that ``ExactlyOnce`` calls, with
+librdkafka's semantics where they matter:
+
+- records produced in a transaction, and the offsets sent with it, become
+  visible together when it commits, never when it aborts or its producer is
+  replaced (a new ``init_transactions`` of the id aborts what the old epoch
+  left open, and fences the old producer: its calls fail fatally);
+- offsets carry the group metadata; the group refuses those of a generation it
+  has left (``ILLEGAL_GENERATION``, abortable), except from a member inside its
+  revocation callback (eager protocol: it commits before it rejoins);
+- rebalances are served inside ``consume()`` (revoke everything, then assign),
+  and that call returns nothing (fetching the new assignment takes a round
+  trip); or, with ``after_fetch``, after records fetched under the old
+  assignment, which come out of the same call (as librdkafka's queue can
+  deliver them); ``close()`` revokes first, then leaves the group;
+- a new assignment starts at the group's committed offsets, else at the start.
+
+Errors are injected per call (``commit_errors`` and friends: each entry is a
+``KafkaError`` raised by the next such call). Everything the cluster did is on
+:attr:`FakeKafka.timeline`, in order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, Message, TopicPartition
+
+__all__ = ["FakeConsumer", "FakeKafka", "FakeProducer", "GroupMetadata", "error"]
+
+
+def error(code: int, *, fatal: bool = False, retriable: bool = False, abortable: bool = False) -> KafkaError:
+    """A librdkafka error as its transactional API raises them."""
+    return KafkaError(code, f"injected {code}", fatal=fatal, retriable=retriable, txn_requires_abort=abortable)
+
+
+@dataclass(frozen=True)
+class GroupMetadata:
+    """What ``consumer_group_metadata()`` returns: opaque to the caller, read by the coordinator."""
+
+    group: str
+    member_id: str
+    generation: int
+
+
+@dataclass
+class _Group:
+    partitions: dict[str, int]
+    generation: int = 0
+    members: dict[str, FakeConsumer] = field(default_factory=dict)
+    #: member id -> the generation it may still commit under while it revokes
+    revoking: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Rebalance:
+    generation: int
+    partitions: set[int]
+    after_fetch: bool = False
+    lost: bool = False
+
+
+@dataclass
+class _Txn:
+    records: list[tuple[str, int, bytes | None, bytes, list[tuple[str, bytes]] | None]] = field(default_factory=list)
+    offsets: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    must_abort: bool = False
+
+
+class FakeKafka:
+    """The cluster: logs, groups, transactional ids."""
+
+    def __init__(self, partitions: dict[str, int]) -> None:
+        self.partitions = dict(partitions)
+        self.logs: dict[tuple[str, int], list[Message]] = defaultdict(list)
+        self.offsets: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
+        self.epochs: dict[str, int] = {}
+        self.open: dict[str, _Txn] = {}  # transactional id -> its open transaction on the broker
+        self.groups: dict[str, _Group] = {}
+        self.timeline: list[tuple[Any, ...]] = []
+        self.init_errors: list[KafkaError] = []
+        self.produce_errors: list[KafkaError] = []
+        self.offsets_errors: list[KafkaError] = []
+        self.commit_errors: list[KafkaError] = []
+        self.committed_errors: list[KafkaError] = []
+        self.producers: list[FakeProducer] = []
+        self.consumers: list[FakeConsumer] = []
+
+    # -- factories: what ExactlyOnce's consumer_factory / producer_factory get ----
+
+    def consumer(self, config: dict[str, object]) -> FakeConsumer:
+        consumer = FakeConsumer(self, config)
+        self.consumers.append(consumer)
+        return consumer
+
+    def producer(self, config: dict[str, object]) -> FakeProducer:
+        producer = FakeProducer(self, config)
+        self.producers.append(producer)
+        return producer
+
+    # -- what a test does to the cluster ---------------------------------------------
+
+    def append(
+        self, topic: str, partition: int, value: bytes, key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None, timestamp_ms: int | None = None,
+    ) -> int:  # fmt: skip
+        """A record written outside any transaction (visible at once); returns its offset."""
+        log = self.logs[(topic, partition)]
+        ts = (1, timestamp_ms) if timestamp_ms is not None else (0, 0)  # TIMESTAMP_CREATE_TIME / NOT_AVAILABLE
+        log.append(Message(topic=topic, partition=partition, offset=len(log), key=key, value=value,
+                           headers=headers, timestamp=ts))  # fmt: skip
+        return len(log) - 1
+
+    def rebalance(self, group: str, assignment: dict[FakeConsumer, set[int]], *, after_fetch: bool = False) -> None:
+        """A new generation of ``group`` with ``assignment``. A member left out
+        was kicked (its session expired): it learns so at its next ``consume``,
+        and the group refuses its offsets from now on."""
+        g = self.groups[group]
+        g.generation += 1
+        for member_id, consumer in list(g.members.items()):
+            if consumer not in assignment:
+                del g.members[member_id]
+                g.revoking.pop(member_id, None)
+                consumer.pending.append(_Rebalance(g.generation, set(), after_fetch, lost=True))
+        for consumer, partitions in assignment.items():
+            if consumer.member_id in g.members:
+                g.revoking[consumer.member_id] = consumer.generation
+            g.members[consumer.member_id] = consumer
+            consumer.pending.append(_Rebalance(g.generation, set(partitions), after_fetch))
+        self.timeline.append(("rebalance", group, g.generation))
+
+    def _even(self, group: str) -> None:
+        g = self.groups[group]
+        members = list(g.members.values())
+        topic = next(iter(g.partitions))
+        assignment: dict[FakeConsumer, set[int]] = {m: set() for m in members}
+        for p in range(g.partitions[topic]):
+            if members:
+                assignment[members[p % len(members)]].add(p)
+        self.rebalance(group, assignment)
+
+    # -- what a test reads -------------------------------------------------------------
+
+    def visible(self, topic: str) -> list[Message]:
+        """Every committed record of ``topic`` (what read_committed readers see), by partition."""
+        return [m for p in range(self.partitions.get(topic, 1)) for m in self.logs[(topic, p)]]
+
+    def values(self, topic: str) -> list[dict[str, Any]]:
+        return [orjson.loads(m.value()) for m in self.visible(topic)]
+
+    def committed(self, group: str, topic: str) -> dict[int, int]:
+        return {p: o for (g, t, p), o in self.offsets.items() if g == group and t == topic}
+
+    def events(self, kind: str) -> list[tuple[Any, ...]]:
+        return [e for e in self.timeline if e[0] == kind]
+
+
+class FakeConsumer:
+    """The parts of ``confluent_kafka.Consumer`` that ExactlyOnce uses."""
+
+    _next_member = 0
+
+    def __init__(self, kafka: FakeKafka, config: dict[str, object]) -> None:
+        assert config["isolation.level"] == "read_committed" and config["enable.auto.commit"] is False
+        self.kafka = kafka
+        self.config = config
+        self.group = str(config["group.id"])
+        FakeConsumer._next_member += 1
+        self.member_id = f"{self.group}-member-{FakeConsumer._next_member}"
+        self.generation = 0
+        self.topic = ""
+        self.assigned: set[int] = set()
+        self.positions: dict[int, int] = {}
+        self.pending: list[_Rebalance] = []
+        self.seeks: list[tuple[int, int]] = []
+        self.closed = False
+        self._callbacks: dict[str, Any] = {}
+
+    def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None, on_lost: Any = None) -> None:
+        (self.topic,) = topics
+        self._callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost}
+        group = self.kafka.groups.setdefault(self.group, _Group({self.topic: self.kafka.partitions[self.topic]}))
+        group.members[self.member_id] = self
+        self.kafka._even(self.group)  # joining is a rebalance
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        if self.closed:
+            raise RuntimeError("Consumer closed")
+        before = [e for e in self.pending if not e.after_fetch]
+        for event in before:
+            self._rebalanced(event)
+        if before:
+            return []  # a new assignment's first fetch is a round trip away: not in this call
+        out = self._fetch(num_messages)
+        for event in list(self.pending):
+            self._rebalanced(event)
+        return out
+
+    def _fetch(self, n: int) -> list[Message]:
+        out: list[Message] = []
+        for p in sorted(self.assigned):
+            log = self.kafka.logs[(self.topic, p)]
+            while len(out) < n and self.positions[p] < len(log):
+                out.append(log[self.positions[p]])
+                self.positions[p] += 1
+        return out
+
+    def _rebalanced(self, event: _Rebalance) -> None:
+        self.pending.remove(event)
+        old = sorted(self.assigned)
+        kind = "lost" if event.lost else "revoke"
+        if old or event.lost:
+            self._callbacks[kind](self, [TopicPartition(self.topic, p) for p in old])
+            self.kafka.timeline.append((kind, self.member_id, old))
+        self.assigned, self.positions = set(), {}
+        group = self.kafka.groups[self.group]
+        group.revoking.pop(self.member_id, None)
+        if event.lost:
+            return
+        self.generation = event.generation
+        self.assigned = set(event.partitions)
+        for p in self.assigned:  # where the group committed, else the start (auto.offset.reset earliest)
+            self.positions[p] = self.kafka.offsets.get((self.group, self.topic, p), 0)
+        self.kafka.timeline.append(("assign", self.member_id, sorted(self.assigned)))
+        self._callbacks["assign"](self, [TopicPartition(self.topic, p) for p in sorted(self.assigned)])
+
+    def seek(self, partition: TopicPartition) -> None:
+        if partition.partition not in self.assigned:
+            raise KafkaException(error(KafkaError._UNKNOWN_PARTITION))
+        self.positions[partition.partition] = partition.offset
+        self.seeks.append((partition.partition, partition.offset))
+
+    def committed(self, partitions: list[TopicPartition], timeout: float | None = None) -> list[TopicPartition]:
+        if self.kafka.committed_errors:
+            raise KafkaException(self.kafka.committed_errors.pop(0))
+        return [
+            TopicPartition(tp.topic, tp.partition, self.kafka.offsets.get((self.group, tp.topic, tp.partition),
+                                                                          OFFSET_INVALID))
+            for tp in partitions
+        ]  # fmt: skip
+
+    def consumer_group_metadata(self) -> GroupMetadata:
+        return GroupMetadata(self.group, self.member_id, self.generation)
+
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float | None = None, cached: bool = False
+    ) -> tuple[int, int]:
+        return 0, len(self.kafka.logs[(partition.topic, partition.partition)])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self.assigned:  # librdkafka serves the revocation inside close()
+            old = sorted(self.assigned)
+            self._callbacks["revoke"](self, [TopicPartition(self.topic, p) for p in old])
+            self.kafka.timeline.append(("revoke", self.member_id, old))
+        self.closed = True
+        self.assigned = set()
+        group = self.kafka.groups.get(self.group)
+        if group is not None and self.member_id in group.members:
+            del group.members[self.member_id]
+            group.revoking.pop(self.member_id, None)
+            if group.members:
+                self.kafka._even(self.group)
+
+
+class FakeProducer:
+    """The parts of a transactional ``confluent_kafka.Producer`` that ExactlyOnce uses."""
+
+    def __init__(self, kafka: FakeKafka, config: dict[str, object]) -> None:
+        assert config["enable.idempotence"] is True and config["acks"] == "all"
+        self.kafka = kafka
+        self.config = config
+        self.id = str(config["transactional.id"])
+        self.epoch: int | None = None
+        self.txn: _Txn | None = None
+        self.fatal: KafkaError | None = None
+
+    def _usable(self) -> None:
+        if self.fatal is not None:
+            raise KafkaException(self.fatal)
+        if self.epoch is None:
+            raise KafkaException(error(KafkaError._STATE))
+        if self.kafka.epochs[self.id] != self.epoch:  # a newer init_transactions of this id
+            self.fatal = error(KafkaError._FENCED, fatal=True)
+            raise KafkaException(self.fatal)
+
+    def _open(self) -> _Txn:
+        self._usable()
+        if self.txn is None:
+            raise KafkaException(error(KafkaError._STATE))
+        return self.txn
+
+    def init_transactions(self, timeout: float | None = None) -> None:
+        if self.kafka.init_errors:
+            raise KafkaException(self.kafka.init_errors.pop(0))
+        self.epoch = self.kafka.epochs[self.id] = self.kafka.epochs.get(self.id, 0) + 1
+        left = self.kafka.open.pop(self.id, None)  # a new epoch aborts what the id left open
+        self.kafka.timeline.append(("init", self.id, self.epoch, left is not None))
+
+    def begin_transaction(self) -> None:
+        self._usable()
+        if self.txn is not None:
+            raise KafkaException(error(KafkaError._STATE))
+        self.txn = self.kafka.open[self.id] = _Txn()
+
+    def produce(
+        self, topic: str, value: bytes | None = None, key: bytes | None = None, partition: int = -1,
+        on_delivery: Any = None, timestamp: int = 0, headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:  # fmt: skip
+        txn = self._open()
+        if self.kafka.produce_errors:
+            raise KafkaException(self.kafka.produce_errors.pop(0))
+        if partition < 0:
+            n = self.kafka.partitions.get(topic, 1)
+            partition = zlib.crc32(key) % n if key is not None else 0
+        txn.records.append((topic, partition, key, value or b"", headers))
+
+    def send_offsets_to_transaction(
+        self, positions: list[TopicPartition], group_metadata: GroupMetadata, timeout: float | None = None
+    ) -> None:
+        txn = self._open()
+        if self.kafka.offsets_errors:
+            err = self.kafka.offsets_errors.pop(0)
+            txn.must_abort = err.txn_requires_abort()
+            raise KafkaException(err)
+        group = self.kafka.groups[group_metadata.group]
+        member = group_metadata.member_id
+        if member not in group.members:
+            txn.must_abort = True
+            raise KafkaException(error(KafkaError.UNKNOWN_MEMBER_ID, abortable=True))
+        if group_metadata.generation not in (group.generation, group.revoking.get(member)):
+            txn.must_abort = True
+            raise KafkaException(error(KafkaError.ILLEGAL_GENERATION, abortable=True))
+        for tp in positions:
+            txn.offsets[(group_metadata.group, tp.topic, tp.partition)] = tp.offset
+
+    def commit_transaction(self, timeout: float | None = None) -> None:
+        txn = self._open()
+        if self.kafka.commit_errors:
+            err = self.kafka.commit_errors.pop(0)
+            if err.fatal():
+                self.fatal = err
+            txn.must_abort = txn.must_abort or err.txn_requires_abort()
+            raise KafkaException(err)
+        if txn.must_abort:
+            raise KafkaException(error(KafkaError._STATE, abortable=True))
+        for topic, partition, key, value, headers in txn.records:
+            log = self.kafka.logs[(topic, partition)]
+            log.append(Message(topic=topic, partition=partition, offset=len(log), key=key, value=value,
+                               headers=headers, timestamp=(1, 0)))  # fmt: skip
+        self.kafka.offsets.update(txn.offsets)
+        self.kafka.timeline.append(
+            ("commit", self.id, {(t, p): o for (_g, t, p), o in txn.offsets.items()}, [r[2] for r in txn.records])
+        )
+        self.txn = None
+        self.kafka.open.pop(self.id, None)
+
+    def abort_transaction(self, timeout: float | None = None) -> None:
+        self._usable()
+        if self.txn is not None:
+            self.kafka.timeline.append(("abort", self.id, len(self.txn.records)))
+        self.txn = None
+        self.kafka.open.pop(self.id, None)
+
+    def poll(self, timeout: float | None = None) -> int:
+        return 0
+
+    def flush(self, timeout: float | None = None) -> int:
+        return 0

@@ -1,0 +1,398 @@
+"""app/eos.py against an in-memory Kafka (tests/kafka_fakes.py): what a
+``read_committed`` reader and the group's committed offsets show after each
+way a transaction can end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError
+
+from app.eos import COMMIT_RETRIES, ExactlyOnce, TakenBatch
+from tests.kafka_fakes import FakeConsumer, FakeKafka, error
+
+TOPIC = "transactions"
+OUT = "decisions"
+GROUP = "fraud-unit-score"
+
+
+def new_kafka() -> FakeKafka:
+    return FakeKafka({TOPIC: 2, OUT: 1})
+
+
+def stream(kafka: FakeKafka, worker: str = "w1") -> ExactlyOnce:
+    s = ExactlyOnce(
+        topic=TOPIC, group_id=GROUP, transactional_id=f"{GROUP}-{TOPIC}-{worker}", client_config={},
+        consumer_factory=kafka.consumer, producer_factory=kafka.producer,
+    )  # fmt: skip
+    s.results = []  # type: ignore[attr-defined]
+    s.on_result = s.results.append  # type: ignore[attr-defined]
+    return s
+
+
+def fill(kafka: FakeKafka, partition: int, n: int) -> None:
+    start = len(kafka.logs[(TOPIC, partition)])
+    for o in range(start, start + n):
+        kafka.append(TOPIC, partition, f"p{partition}-{o}".encode(), key=f"k{partition}-{o}".encode())
+
+
+def echo(batch: TakenBatch) -> list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]]:
+    """One output record per input record: its value, as a decision would carry its id."""
+    return [(OUT, m.key(), m.value(), []) for m in batch.messages]
+
+
+def seen(kafka: FakeKafka) -> list[bytes]:
+    return [m.value() for m in kafka.visible(OUT)]
+
+
+def taken(batch: TakenBatch) -> list[tuple[int, int]]:
+    return [(m.partition(), m.offset()) for m in batch.messages]
+
+
+def consumer_of(kafka: FakeKafka, s: ExactlyOnce) -> FakeConsumer:
+    consumer: FakeConsumer = s._consumer
+    return consumer
+
+
+def run(kafka: FakeKafka, body: Callable[..., Awaitable[Any]], workers: int = 1) -> Any:
+    async def go() -> Any:
+        streams = [stream(kafka, f"w{i + 1}") for i in range(workers)]
+        try:
+            for s in streams:
+                await s.start()
+            for s in streams:
+                await joined(s)
+            return await body(*streams)
+        finally:
+            for s in streams:
+                await s.close()
+
+    return asyncio.run(go())
+
+
+async def take(s: ExactlyOnce, n: int = 100) -> TakenBatch:
+    return await s.take(n, 0.0)
+
+
+async def joined(s: ExactlyOnce) -> None:
+    """Serve what the group decided (inside ``consume``, which then returns nothing)."""
+    assert (await take(s)).messages == []
+
+
+# --- a transaction that commits -----------------------------------------------------------------
+
+
+def test_a_committed_transaction_makes_its_records_and_offsets_visible_together() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+    fill(kafka, 1, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        first = await take(s)
+        assert taken(first) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+        seq = await s.send(first, echo(first))
+        fill(kafka, 0, 1)
+        second = await take(s)
+        assert await s.send(second, echo(second)) == seq  # one transaction spans both batches
+        assert s.open_since is not None
+        # Open: nothing of it is visible, neither records nor offsets.
+        assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        assert await s.commit() == [(seq, "committed")]
+        assert s.open_since is None
+        assert s.offsets() == [(TOPIC, 0, 4, 4), (TOPIC, 1, 2, 2)]  # highwater and committed: no lag
+        assert await s.committed() == {0: 4, 1: 2}
+
+    run(kafka, body)
+    assert sorted(seen(kafka)) == sorted([b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p1-0", b"p1-1"])
+    assert kafka.committed(GROUP, TOPIC) == {0: 4, 1: 2}
+    assert len(kafka.events("commit")) == 1
+
+
+def test_a_commit_with_nothing_open_settles_nothing() -> None:
+    kafka = new_kafka()
+
+    async def body(s: ExactlyOnce) -> list[tuple[int, str]]:
+        assert (await take(s)).messages == []
+        return await s.commit()
+
+    assert run(kafka, body) == []
+    assert kafka.events("commit") == []
+
+
+# --- transactions that fail ---------------------------------------------------------------------
+
+
+def test_an_abortable_commit_error_aborts_and_the_same_records_come_back() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        first = await take(s)
+        await s.send(first, echo(first))
+        assert await s.commit() == [(1, "committed")]
+        fill(kafka, 0, 3)
+        fill(kafka, 1, 2)
+        second = await take(s)
+        assert taken(second) == [(0, 2), (0, 3), (0, 4), (1, 0), (1, 1)]
+        kafka.commit_errors.append(error(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, abortable=True))
+        await s.send(second, echo(second))
+        assert await s.commit() == [(2, "aborted")]
+        assert s.results == ["committed", "aborted"]  # type: ignore[attr-defined]
+        # Nothing of the aborted transaction is visible; its offsets did not move.
+        assert seen(kafka) == [b"p0-0", b"p0-1"]
+        assert kafka.committed(GROUP, TOPIC) == {0: 2}
+        # Back to the committed offsets (partition 1 has none: to the first offset sent).
+        assert sorted(consumer_of(kafka, s).seeks) == [(0, 2), (1, 0)]
+        again = await take(s)
+        assert taken(again) == taken(second)
+        await s.send(again, echo(again))
+        assert await s.commit() == [(3, "committed")]
+
+    run(kafka, body)
+    assert sorted(seen(kafka)) == sorted([b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4", b"p1-0", b"p1-1"])
+    assert kafka.committed(GROUP, TOPIC) == {0: 5, 1: 2}
+    assert len(kafka.events("abort")) == 1
+    assert len(kafka.producers) == 1  # an abort keeps the producer
+
+
+def test_offsets_refused_by_the_group_abort_the_transaction() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        kafka.offsets_errors.append(error(KafkaError.COORDINATOR_NOT_AVAILABLE, abortable=True))
+        assert await s.commit() == [(1, "aborted")]
+        assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        again = await take(s)
+        assert taken(again) == taken(batch)
+
+    run(kafka, body)
+
+
+@pytest.mark.parametrize("how", ["fatal error", "id taken by a new producer"])
+def test_a_fatal_error_replaces_the_producer_and_seeks_back(how: str) -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        if how == "fatal error":
+            kafka.commit_errors.append(error(KafkaError._FENCED, fatal=True))
+        else:  # a restart of this worker's slot elsewhere: a new epoch of the same id
+            other = kafka.producer(dict(s._producer_config))
+            other.init_transactions()
+        assert await s.commit() == [(1, "aborted")]
+        assert seen(kafka) == []
+        assert consumer_of(kafka, s).seeks == [(0, 0)]
+        again = await take(s)
+        assert taken(again) == taken(batch)
+        await s.send(again, echo(again))
+        assert await s.commit() == [(2, "committed")]
+
+    run(kafka, body)
+    inits = kafka.events("init")
+    assert inits[0][2] == 1 and inits[-1][2] == len(inits)  # the replacement took a newer epoch
+    assert kafka.producers[-1].epoch == kafka.epochs[kafka.producers[-1].id]
+    assert len(kafka.producers) == (2 if how == "fatal error" else 3)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2"]  # once
+    assert kafka.committed(GROUP, TOPIC) == {0: 3}
+
+
+def test_a_retriable_commit_error_is_retried() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        kafka.commit_errors.append(error(KafkaError._TIMED_OUT, retriable=True))
+        assert await s.commit() == [(1, "committed")]
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1"]
+    assert kafka.committed(GROUP, TOPIC) == {0: 2}
+    assert kafka.events("abort") == [] and len(kafka.producers) == 1
+    assert consumer_of_all_seeks(kafka) == []
+
+
+def test_a_commit_that_keeps_failing_retriably_gives_up_and_nothing_is_visible() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        kafka.commit_errors.extend([error(KafkaError._TIMED_OUT, retriable=True)] * COMMIT_RETRIES)
+        assert await s.commit() == [(1, "aborted")]
+        assert seen(kafka) == []
+        assert taken(await take(s)) == taken(batch)
+
+    run(kafka, body)
+    # The outcome was unknown: a new producer (its new epoch aborts what the old one left open).
+    assert len(kafka.producers) == 2 and kafka.events("init")[-1][3] is True
+
+
+def test_a_produce_error_ends_the_transaction_aborted() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        kafka.produce_errors.append(error(KafkaError._STATE, abortable=True))
+        seq = await s.send(batch, echo(batch))
+        assert s.open_since is None and s.has_settled()
+        assert await s.commit() == [(seq, "aborted")]
+        again = await take(s)
+        assert taken(again) == taken(batch)
+        await s.send(again, echo(again))
+        await s.commit()
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1"]
+
+
+def consumer_of_all_seeks(kafka: FakeKafka) -> list[tuple[int, int]]:
+    return [seek for c in kafka.consumers for seek in c.seeks]
+
+
+# --- rebalances ---------------------------------------------------------------------------------
+
+
+def test_a_revocation_commits_the_open_transaction_before_the_partitions_go() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+    fill(kafka, 1, 2)
+    revoked: list[set[int]] = []
+
+    async def body(a: ExactlyOnce) -> None:
+        a.on_revoked = revoked.append
+        batch = await take(a)
+        seq = await a.send(batch, echo(batch))
+        b = stream(kafka, "w2")
+        await b.start()  # joins: the group rebalances, partition 1 moves to it
+        try:
+            assert (await take(a)).messages == []  # the revocation is served inside consume()
+            assert a.has_settled() and a.open_since is None
+            assert await a.commit() == [(seq, "committed")]
+            assert a.assigned == {0} and revoked == [{0, 1}]
+            await joined(b)
+            fill(kafka, 1, 1)
+            # The new owner starts where the committed transaction left partition 1.
+            assert taken(await take(b)) == [(1, 2)]
+        finally:
+            await b.close()
+
+    run(kafka, body)
+    commit = kafka.timeline.index(kafka.events("commit")[0])
+    revoke = kafka.timeline.index(kafka.events("revoke")[0])
+    assert commit < revoke  # committed while the worker still owned the partitions
+    assert kafka.committed(GROUP, TOPIC) == {0: 2, 1: 2}
+    assert sorted(seen(kafka)) == [b"p0-0", b"p0-1", b"p1-0", b"p1-1"]
+
+
+def test_a_batch_taken_before_a_rebalance_is_never_sent() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+    fill(kafka, 1, 2)
+
+    async def body(a: ExactlyOnce) -> None:
+        batch = await take(a)
+        assert taken(batch) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        b = stream(kafka, "w2")
+        await b.start()  # joins: partition 1 moves to it
+        try:
+            assert (await take(a)).messages == []  # the rebalance, inside consume
+            assert await a.send(batch, echo(batch)) is None  # nothing produced, nothing open
+            assert a.open_since is None and await a.commit() == []
+            assert kafka.open == {}
+            # Its records come again from the committed offsets: 0's to a, 1's to b.
+            assert taken(await take(a)) == [(0, 0), (0, 1)]
+            await joined(b)
+            assert taken(await take(b)) == [(1, 0), (1, 1)]
+        finally:
+            await b.close()
+
+    run(kafka, body)
+    assert seen(kafka) == [] and kafka.events("commit") == []
+
+
+def test_records_polled_in_a_consume_during_which_a_rebalance_happened_are_dropped() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        first = await take(s)
+        await s.send(first, echo(first))
+        await s.commit()
+        fill(kafka, 0, 3)
+        fill(kafka, 1, 2)
+        # Records fetched under the old assignment come out of the call that serves the rebalance.
+        kafka.rebalance(GROUP, {consumer_of(kafka, s): {0}}, after_fetch=True)
+        assert (await take(s)).messages == []
+        # The partition kept goes back to the lowest offset polled; the one given up is not sought.
+        assert consumer_of(kafka, s).seeks == [(0, 2)]
+        assert taken(await take(s)) == [(0, 2), (0, 3), (0, 4)]
+
+    run(kafka, body)
+
+
+def test_a_worker_that_missed_the_rebalance_is_fenced_and_nothing_it_sent_becomes_visible() -> None:
+    """KIP-447: a long pause; the group moved on without this worker. Its
+    transaction's offsets carry the old generation: refused, aborted."""
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(zombie: ExactlyOnce, heir: ExactlyOnce) -> None:
+        batch = await take(zombie)
+        assert taken(batch) == [(0, 0), (0, 1), (0, 2)]
+        await zombie.send(batch, echo(batch))
+        kafka.rebalance(GROUP, {consumer_of(kafka, heir): {0, 1}})  # the zombie's session expired
+        assert await zombie.commit() == [(1, "fenced")]
+        assert zombie.results == ["fenced"]  # type: ignore[attr-defined]
+        assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        await joined(heir)
+        again = await take(heir)
+        assert taken(again) == [(0, 0), (0, 1), (0, 2)]
+        await heir.send(again, echo(again))
+        assert await heir.commit() == [(1, "committed")]
+        # The zombie learns it lost its partitions at its next poll.
+        assert (await take(zombie)).messages == []
+        assert zombie.assigned == set()
+
+    run(kafka, body, workers=2)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2"]
+    assert kafka.committed(GROUP, TOPIC) == {0: 3}
+
+
+def test_close_commits_what_is_open_before_leaving_the_group() -> None:
+    kafka = new_kafka()
+    fill(kafka, 1, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p1-0", b"p1-1"]
+    assert kafka.committed(GROUP, TOPIC) == {1: 2}
+    assert consumer_of_all_seeks(kafka) == []
+
+
+def test_the_clients_are_configured_for_exactly_once() -> None:
+    kafka = new_kafka()
+
+    async def body(s: ExactlyOnce) -> None:
+        return None
+
+    run(kafka, body)
+    consumer, producer = kafka.consumers[0].config, kafka.producers[0].config
+    assert consumer["group.id"] == GROUP and consumer["isolation.level"] == "read_committed"
+    assert consumer["enable.auto.commit"] is False and consumer["enable.auto.offset.store"] is False
+    assert producer["transactional.id"] == f"{GROUP}-{TOPIC}-w1"
+    assert producer["enable.idempotence"] is True and producer["acks"] == "all"
