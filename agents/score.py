@@ -221,7 +221,7 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
         linger_ms=settings.producer_linger_s * 1000,
         compression=settings.producer_compression,
         fetch_min_bytes=settings.fetch_min_bytes,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
     )
     stream.on_result = lambda result: metrics.transactions.labels(result).inc()
     metrics.offsets = stream.offsets

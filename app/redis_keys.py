@@ -17,6 +17,7 @@ ever used one key per command, or by code that handles slots itself
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import orjson
@@ -98,8 +99,12 @@ def decision_hash_key(user_id: str, digest: str) -> str:
 # Cluster a transaction's two entries share a slot (and node) with the rest of
 # what its batch reads for that user. A resend carries the same user; the same
 # transaction id under another user is not the same payment.
+@functools.lru_cache(maxsize=8192)
 def decision_keys(tx: Transaction) -> tuple[str, str]:
-    """A transaction's two decision-cache keys: by id, then by content."""
+    """A transaction's two decision-cache keys: by id, then by content.
+
+    NOTE: cached (a transaction is frozen, so hashable): a batch asks for them
+    at lookup, when holding its decisions, and when writing them to Redis."""
     return decision_id_key(tx.user_id, tx.transaction_id), decision_hash_key(tx.user_id, content_hash(tx))
 
 

@@ -194,9 +194,10 @@ class Settings(BaseSettings):
     """Partitions of ``transactions`` (and of ``decisions``): the unit of scaling."""
 
     consumer_fetch_max_wait_ms: int = 20
-    """How long the gateway's reply reader's fetch waits when there is no data
-    (Kafka answers as soon as data arrives; this bounds how long a new
-    partition assignment or a stop waits)."""
+    """How long a fetch of the scoring consumer and of the gateway's reply
+    reader waits when there is less than ``fetch_min_bytes`` (Kafka answers
+    as soon as there is; this bounds how long a new partition assignment or a
+    stop waits)."""
 
     producer_linger_s: float = 0.002
     """Producer linger: a few ms lets one batch's decisions go in one request."""
@@ -207,19 +208,12 @@ class Settings(BaseSettings):
     broker on this pipeline's records."""
 
     producer_retry_backoff_ms: int = 5
-    """Backoff of the scoring path's transactional producers before a retried
-    request (app/topics.py ``producer_options`` says why it is short)."""
-
-    transaction_scope: Literal["batch", "partition"] = "batch"
-    """How the scoring worker's Kafka transactions are cut (app/transactional.py).
-    ``batch``: one transaction per micro-batch, fenced by the consumer group's
-    generation (KIP-447; brokers 2.5 and later). ``partition``: one per input
-    partition of a batch, fenced by a transactional id per partition (any
-    broker with transactions; a transaction's cost for each partition)."""
+    """Backoff of the aiokafka producers (gateway, feedback loop) before a
+    retried request (app/topics.py ``producer_options`` says why it is short)."""
 
     worker_id: str | None = None
-    """This worker's name in its transactional id under transaction scope
-    ``batch`` (``<app_id>-score-<topic>-<worker_id>``). Default: host name and
+    """This worker's name in its transactional id
+    (``<app_id>-score-<topic>-<worker_id>``). Default: host name and
     web port, which stay the same when the worker restarts on the same slot:
     its new producer then aborts the transaction a killed predecessor left
     open at once, instead of the broker after the transaction timeout (an open
@@ -253,19 +247,18 @@ class Settings(BaseSettings):
     """Faust's local table state."""
 
     # --- scoring -----------------------------------------------------------
-    batch_size: int = 32
-    """Micro-batch size for ``stream.take``."""
+    batch_size: int = 64
+    """At most this many records per micro-batch: one Redis script, one model
+    call. Bounded so that a batch of users whose profiles are not in the local
+    cache (a cold start, a rebalance) stays well inside ``redis_timeout_s``."""
 
     batch_window_s: float = 0.01
     """Micro-batch window: a batch is scored when full or after this long."""
 
     fetch_min_bytes: int = 1
     """The scoring consumer's ``fetch.min.bytes``: the broker answers a fetch once
-    this much is there, or after ``fetch_max_wait_ms``. Above 1, fewer fetch
+    this much is there, or after ``consumer_fetch_max_wait_ms``. Above 1, fewer fetch
     requests for the broker to serve, each decision waiting up to the max wait."""
-
-    fetch_max_wait_ms: int = 100
-    """The scoring consumer's ``fetch.wait.max.ms`` (see ``fetch_min_bytes``)."""
 
     commit_interval_s: float = 0.05
     """How long one Kafka transaction stays open over consecutive batches before

@@ -34,7 +34,8 @@ def run(settings: Settings) -> None:
     base = client_config(settings, f"{settings.app_id}-bare")
     consumer = kafka.Consumer({
         **base, "group.id": f"{settings.app_id}-score", "enable.auto.commit": False,
-        "auto.offset.reset": "earliest", "queued.max.messages.kbytes": 8192, "fetch.wait.max.ms": 100,
+        "auto.offset.reset": "earliest", "queued.max.messages.kbytes": 8192,
+        "fetch.min.bytes": settings.fetch_min_bytes, "fetch.wait.max.ms": settings.consumer_fetch_max_wait_ms,
         "session.timeout.ms": int(settings.session_timeout_s * 1000),
     })  # fmt: skip
     producer = kafka.Producer({**base, "linger.ms": settings.producer_linger_s * 1000, "acks": "all"})

@@ -15,10 +15,11 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.run import BATCHED, DATA, QUICK_PLAN, REPO, Bench, Phase, Worker, prepare, services
+from bench.run import BATCHED, POPULATION, QUICK_PLAN, REPO, Bench, Phase, Worker, prepare, services
 
 #: name -> environment overrides (FRAUD_* settings)
 KNOBS: dict[str, dict[str, str]] = {
@@ -28,26 +29,21 @@ KNOBS: dict[str, dict[str, str]] = {
     "faust_sensors": {"FRAUD_FAUST_SENSORS": "true"},
     "linger_5ms": {"FRAUD_PRODUCER_LINGER_S": "0.005"},
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
-    "fetch_wait_50ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "50"},
+    # The scoring consumer's fetches: fewer, fuller ones for the broker to serve.
+    "fetch_min_32k": {"FRAUD_FETCH_MIN_BYTES": "32768", "FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "10"},
     "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
-    # How a batch's transactions are cut (app/transactional.py): one per batch
-    # (the default) or one per input partition the batch holds records of.
-    "scope_batch": {"FRAUD_TRANSACTION_SCOPE": "batch"},
+    # How long one transaction spans consecutive batches (app/eos.py): 0 is one per batch.
+    "commit_0": {"FRAUD_COMMIT_INTERVAL_S": "0"},
+    "commit_25ms": {"FRAUD_COMMIT_INTERVAL_S": "0.025"},
+    "commit_50ms": {"FRAUD_COMMIT_INTERVAL_S": "0.05"},
+    "commit_100ms": {"FRAUD_COMMIT_INTERVAL_S": "0.1"},
     # Compressed produce requests: fewer bytes for the broker to write, more CPU for the worker.
     "compression_none": {"FRAUD_PRODUCER_COMPRESSION": "none"},
     "compression_lz4": {"FRAUD_PRODUCER_COMPRESSION": "lz4"},
     "compression_zstd": {"FRAUD_PRODUCER_COMPRESSION": "zstd"},
-    "scope_partition": {"FRAUD_TRANSACTION_SCOPE": "partition"},
-    # Fewer partitions per worker: under scope "partition" this is the
-    # transaction count per decision at a fixed rate.
-    "partitions_4": {"FRAUD_PARTITIONS": "4"},
-    "partitions_2": {"FRAUD_PARTITIONS": "2"},
-    "partitions_1": {"FRAUD_PARTITIONS": "1"},
-    # A longer batch window: fewer, fuller batches at low and middle rates (each
-    # batch pays the model call, the Redis script and a transaction whatever its size).
+    # A longer batch window: fewer, fuller batches at low and middle rates.
+    "window_5ms": {"FRAUD_BATCH_WINDOW_S": "0.005"},
     "window_25ms": {"FRAUD_BATCH_WINDOW_S": "0.025"},
-    "window_50ms": {"FRAUD_BATCH_WINDOW_S": "0.05"},
-    "partitions_1_window_25ms": {"FRAUD_PARTITIONS": "1", "FRAUD_BATCH_WINDOW_S": "0.025"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     "workers_2": {},
@@ -81,7 +77,10 @@ def main() -> None:
         for name in args.knobs:
             saved = {k: os.environ.get(k) for k in KNOBS[name]}
             os.environ.update(KNOBS[name])
-            worker = Worker(BATCHED, svc, Path(tmp))
+            variant = BATCHED
+            if "FRAUD_BATCH_WINDOW_S" in KNOBS[name]:  # the variant's own would win
+                variant = replace(BATCHED, batch_window_s=float(KNOBS[name]["FRAUD_BATCH_WINDOW_S"]))
+            worker = Worker(variant, svc, Path(tmp))
             extra: list[Worker] = []
             try:
                 worker.wait_ready()
@@ -104,7 +103,7 @@ def main() -> None:
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
             row = {**({"label": args.label} if args.label else {}), "knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
-                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": _relative(DATA),
+                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": _relative(POPULATION),
                    # the rest of the machine: a setting can move cost to the broker
                    "broker_cpu_pct": run.get("other_cpu_pct", {}).get("broker"),
                    "loadgen_cpu_pct": run.get("other_cpu_pct", {}).get("loadgen")}  # fmt: skip
@@ -112,7 +111,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.append and args.out.exists():
         rows = json.loads(args.out.read_text())["rows"] + rows
-    doc = {"machine": "2 cores (AMD EPYC VM); broker, Redis, worker(s) and load generator co-located", "rows": rows}
+    from bench.run import machine_info
+
+    doc = {"machine": machine_info(), "setup": "broker, Redis, worker(s) and load generator co-located", "rows": rows}
     args.out.write_text(json.dumps(doc, indent=2))
     from bench.plots import knobs_plot
 

@@ -236,7 +236,9 @@ def knobs_plot(doc: Mapping[str, Any], path: Path) -> Path:
         for yi, r in zip(y, rows):
             if r.get(key) is not None:
                 ax.annotate(f" {r[key]:g}", (r[key], yi), va="center", fontsize=7)
-    fig.suptitle(f"bench.knobs — {doc.get('machine', '')}", fontsize=9)
+    m = doc.get("machine", "")
+    where = f"{m.get('cores')} cores, {m.get('cpu_model')}" if isinstance(m, dict) else m
+    fig.suptitle(f"bench.knobs — {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Profile a scoring worker under open-loop load with py-spy (make profile).
-#   bench/profile.sh [RATE] [DURATION_S] [BATCH_SIZE]
-# Writes .stack/profile-<batch>-<rate>.txt (collapsed stacks) and prints
-# the functions with the most samples (self and inclusive).
+#   bench/profile.sh [RATE] [DURATION_S] [LABEL]
+# Writes bench/results/profile-<label>-<rate>.svg (a flame graph of the
+# worker, every thread) and .json (the share of samples per pipeline stage),
+# and prints the functions with the most samples (self and inclusive).
+# FRAUD_* settings in the environment reach the worker (FRAUD_BATCH_SIZE=...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RATE=${1:-200}; DURATION=${2:-20}; BATCH=${3:-32}
-BIN=.venv/bin; DATA=data/transactions.parquet; WORKER_PID=""
-OUT=.stack/profile-b${BATCH}-r${RATE}.txt
+RATE=${1:-750}; DURATION=${2:-30}; LABEL=${3:-worker}
+BIN=.venv/bin; DATA=data/transactions.parquet; POPULATION=data/bench-population.parquet; WORKER_PID=""
+RAW=.stack/profile-${LABEL}-${RATE}.txt
+SVG=bench/results/profile-${LABEL}-${RATE}.svg
 cleanup() {
   [[ -n "$WORKER_PID" ]] && kill -TERM "$WORKER_PID" 2>/dev/null && sleep 3 && kill -KILL "$WORKER_PID" 2>/dev/null || true
   $BIN/python -m tools.stack down >/dev/null
@@ -18,29 +21,25 @@ test -x $BIN/py-spy || $BIN/python -m pip install -q py-spy
 $BIN/python -m tools.stack up >/dev/null
 # shellcheck disable=SC1091
 source .stack/env
-export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_BATCH_SIZE=$BATCH FRAUD_APP_ID=profile-$RANDOM
+export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_APP_ID=profile-$RANDOM FRAUD_WORKER_ROLE=score
 $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
 export FRAUD_DECISION_SIGNING_KEY_FILE=.stack/decision-key.pem FRAUD_DECISION_PUBLIC_KEYS_FILE=.stack/decision-public-keys.json
 $BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --public "$FRAUD_DECISION_PUBLIC_KEYS_FILE" >/dev/null
-$BIN/fraud-pipeline materialize --data $DATA >/dev/null
+test -f $POPULATION || $BIN/fraud-pipeline simulate --users 50000 --merchants 20000 --days 20 --out $POPULATION --quiet
+$BIN/fraud-pipeline materialize --data $POPULATION >/dev/null
 $BIN/fraud-pipeline worker > .stack/profile-worker.log 2>&1 &
 WORKER_PID=$!
 for _ in $(seq 1 120); do grep -q "Ready" .stack/profile-worker.log && break; sleep 0.5; done
-$BIN/fraud-pipeline loadgen --rate "$RATE" --duration "$DURATION" --data $DATA --every 5 --json .stack/profile-load.json &
+$BIN/fraud-pipeline loadgen --rate "$RATE" --duration "$DURATION" --data $POPULATION --every 5 --verify-share 0.02 \
+  --json .stack/profile-load.json &
 LOAD=$!
 sleep $(( DURATION / 4 ))
-$BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format raw --output "$OUT" --threads --rate 200 >/dev/null 2>&1 || true
+# Two samplers side by side (neither stops the process): raw stacks to count, a flame graph to look at.
+$BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format raw --output "$RAW" --threads \
+  --rate 100 --nonblocking >/dev/null 2>&1 &
+$BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format flamegraph --output "$SVG" --threads \
+  --rate 100 --nonblocking >/dev/null 2>&1 || true
 wait $LOAD
-$BIN/python - "$OUT" <<'PY'
-import collections, sys
-self_, incl, total = collections.Counter(), collections.Counter(), 0
-for line in open(sys.argv[1]):
-    stack, _, n = line.rstrip().rpartition(" ")
-    n = int(n); total += n
-    frames = stack.split(";")
-    self_[frames[-1]] += n
-    for f in set(frames[1:]): incl[f] += n
-print(f"{total} samples")
-print("-- self"); [print(f"{c*100/total:5.1f}% {f}") for f, c in self_.most_common(25)]
-print("-- inclusive"); [print(f"{c*100/total:5.1f}% {f}") for f, c in incl.most_common(40)]
-PY
+$BIN/python -m bench.stages "$RAW" --rate "$RATE" --label "$LABEL" --load .stack/profile-load.json \
+  --out "bench/results/profile-${LABEL}-${RATE}.json"
+echo "flame graph: $SVG"

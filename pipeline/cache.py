@@ -63,13 +63,14 @@ class DecisionCache(Protocol):
 
 
 #: Store a batch's decisions in one command: SET key value EX ttl NX for each
-#: KEYS[i] with ARGV[i + 1] (ARGV[1] is the TTL). NOTE: one command instead of
+#: KEYS[i], a decision's two keys (2j - 1, 2j) with its value ARGV[j + 1]
+#: (ARGV[1] is the TTL): each value packed and sent once. NOTE: one command instead of
 #: two pipelined SETs per transaction, whose packing in redis-py was 9 % of a
 #: saturated worker's event loop. One Redis server only: a Redis Cluster refuses
 #: a script over several slots, so it keeps the pipeline.
 PUT_MANY_SCRIPT = """
 for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ARGV[1], 'NX')
+  redis.call('SET', KEYS[i], ARGV[math.floor((i + 1) / 2) + 1], 'EX', ARGV[1], 'NX')
 end
 return #KEYS
 """
@@ -105,7 +106,7 @@ class RedisDecisionCache:
             for tx, decision in items:
                 blob = orjson.dumps(decision)
                 keys += decision_keys(tx)
-                args += (blob, blob)
+                args.append(blob)
             # NX: the first decision stands; a racing re-score cannot replace it.
             await self._put_many(keys=keys, args=args)
             return

@@ -44,6 +44,8 @@ __all__ = ["LoadConfig", "percentiles", "run_load"]
 
 #: The shortest sleep between two rounds of sends.
 TICK_S = 0.001
+#: How long the generator's producer holds sends to batch them in one request.
+LINGER_MS = 5
 
 
 def _kafka() -> Any:
@@ -157,10 +159,15 @@ class _LoadRun:
         # librdkafka on both sides: a send is ~2 us of C, not ~50 us of Python,
         # so the generator stays a small share of a core at thousands of TPS.
         base = client_config(s, "loadgen")
-        self.producer = _kafka().Producer({**base, "linger.ms": 2, "acks": "all"})
+        # NOTE: a fetch is answered as soon as fetch.min.bytes are there: at 1 byte
+        # a consumer of a busy topic sends fetch after fetch, and serving those
+        # requests, not the bytes, was most of the broker's CPU. The same goes
+        # for produce requests (linger). Both bounded by a few milliseconds here.
+        self.producer = _kafka().Producer({**base, "linger.ms": LINGER_MS, "acks": "all"})
         self.consumer = _kafka().Consumer({
             **base, "group.id": f"payments-loadgen-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-            "isolation.level": "read_committed", "fetch.wait.max.ms": 20,
+            "isolation.level": "read_committed", "fetch.min.bytes": s.fetch_min_bytes,
+            "fetch.wait.max.ms": s.consumer_fetch_max_wait_ms,
         })  # fmt: skip
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loadgen-consumer")
         self._verify_every = max(1, round(1 / cfg.verify_share)) if cfg.verify_share > 0 else 0

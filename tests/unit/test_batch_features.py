@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from pipeline.feature_defs import VELOCITY_MAX_EVENTS
 from pipeline.features import DAY_S, FEATURE_NAMES, prepare_history, rowwise_matrix, training_matrix
 
 D0 = 1_764_547_200.0  # 2025-12-01T00:00:00Z
@@ -27,6 +28,8 @@ def awkward_history(seed: int, with_labels: bool = True) -> pd.DataFrame:
     ts[:30] = D0 - 110 * DAY_S + np.arange(30) * 600.0
     ts[30] = D0 + 2 * DAY_S + 77.0
     users[30] = "old"
+    users[200:250] = "bot"  # 50 payments in 6 minutes: past the velocity cap
+    ts[200:250] = D0 + 2 * DAY_S + 500.0 + np.arange(50) * 7.0
     amount = rng.uniform(1, 300, n).round(2)
     amount[users == "7"] = 25.0  # constant spender
     devices = np.array([f"d{u}-{rng.integers(0, 3)}" for u in users], dtype=object)
@@ -75,6 +78,8 @@ def test_vectorised_features_equal_the_serving_code_row_by_row(seed: int) -> Non
     assert fast[old, FEATURE_NAMES.index("account_age_days")][0] > 100
     last_label = fast[:, FEATURE_NAMES.index("merchant_last_label")]
     assert (last_label == 1).any() and (last_label == 0).any()
+    bot = (fast_rows["user_id"] == "bot").to_numpy()
+    assert fast[bot, FEATURE_NAMES.index("velocity_count_10m")].max() == VELOCITY_MAX_EVENTS
 
 
 def test_equal_on_local_time_and_without_labels() -> None:
