@@ -1,6 +1,6 @@
 """The benchmark pass-through's produce path: straight to the app's producer.
 
-(The scoring agent produces through its transactional producers, app/transactional.py.)
+(The scoring loop produces through its own transactional librdkafka producer, app/eos.py.)
 
 faust's ``Topic.send`` wraps each record in a ``PendingMessage`` and a
 ``FutureMessage``, runs it through the channel's send path and its callbacks,

@@ -207,10 +207,6 @@ class Settings(BaseSettings):
     monitoring). docs/performance.md has what each costs the worker and the
     broker on this pipeline's records."""
 
-    producer_retry_backoff_ms: int = 5
-    """Backoff of the aiokafka producers (gateway, feedback loop) before a
-    retried request (app/topics.py ``producer_options`` says why it is short)."""
-
     worker_id: str | None = None
     """This worker's name in its transactional id
     (``<app_id>-score-<topic>-<worker_id>``). Default: host name and
@@ -226,13 +222,6 @@ class Settings(BaseSettings):
     holds its partitions before the group moves them."""
 
     heartbeat_interval_s: float = 1.5
-    watchdog_interval_s: float = 1.0
-    """How often the stall watchdog looks at the `transactions` partitions
-    (offsets are committed with every batch's transaction, not on a timer)."""
-    stall_after_s: float = 5.0
-    """A partition of `transactions` with records waiting past its next offset
-    that decides nothing for this long is logged with its fetch state and
-    sought back (app/offsets.py, ``stalled``): a watchdog, not a timeout."""
     web_host: str = "127.0.0.1"
     web_port: int = 6066
     """Each worker on one machine needs its own port."""

@@ -18,7 +18,7 @@ from app.retry import retry
 from app.seams import cluster_metadata
 from app.settings import Settings
 
-__all__ = ["ensure_topics", "kafka_auth", "producer_options", "sasl_password", "topic_partitions"]
+__all__ = ["ensure_topics", "kafka_auth", "sasl_password", "topic_partitions"]
 
 log = logging.getLogger(__name__)
 
@@ -87,23 +87,6 @@ def sasl_password(settings: Settings) -> str | None:
     if settings.kafka_sasl_password_file is not None:
         return settings.kafka_sasl_password_file.read_text().strip()
     return None
-
-
-def producer_options(settings: Settings) -> dict[str, object]:
-    """aiokafka producer options of the scoring path (app/transactional.py adds the
-    transactional ones)."""
-    return {
-        "bootstrap_servers": settings.kafka_bootstrap,
-        "client_id": f"{settings.app_id}-score",
-        "linger_ms": int(settings.producer_linger_s * 1000),
-        # NOTE: after a transaction ends, the next one's first request can meet
-        # CONCURRENT_TRANSACTIONS while the broker writes the markers; aiokafka
-        # waits retry_backoff_ms (100 ms by default) before trying again, which
-        # was most of a batch's commit time. The Java client retries this after 20 ms.
-        "retry_backoff_ms": settings.producer_retry_backoff_ms,
-        **({"compression_type": settings.producer_compression} if settings.producer_compression != "none" else {}),
-        **kafka_auth(settings),
-    }
 
 
 async def partitions_of(consumer: object, topics: Sequence[str]) -> dict[str, set[int] | None]:

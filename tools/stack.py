@@ -150,7 +150,7 @@ BROKER_CONFIG: dict[str, str] = {
     "transaction.partition.verification.enable": "false",
     # A worker killed inside a transaction holds back every read_committed
     # consumer of the partitions it wrote until the broker aborts it (after the
-    # producer's 10 s transaction timeout, app/transactional.py). The broker looks
+    # producer's 10 s transaction timeout, app/eos.py). The broker looks
     # for such transactions every 10 s by default, so the stall was 10-20 s; a
     # restarted worker fences its own at once (its transactional id is stable).
     "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",

@@ -13,6 +13,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
+from agents.score import scoring_group
 from app.settings import Settings
 from app.topics import ensure_topics
 from tools.autoscale import broker_offsets
@@ -42,7 +43,10 @@ def test_lag_from_the_broker(kafka_bootstrap: str, unique_name: Callable[[str], 
             await asyncio.gather(*sent)
         finally:
             await producer.stop()
-        committer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
+        # The scoring loop's group (app/eos.py) commits the offsets of `transactions`.
+        committer = AIOKafkaConsumer(
+            bootstrap_servers=kafka_bootstrap, group_id=scoring_group(settings), enable_auto_commit=False
+        )
         await committer.start()
         try:
             committer.assign([TopicPartition(topic, 0), TopicPartition(topic, 1)])

@@ -61,6 +61,7 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
     worker_env,
 )
 
+from agents.score import scoring_group
 from app.settings import Settings
 from app.topics import kafka_auth
 from pipeline.auth import sign
@@ -262,12 +263,13 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
             ends = partition_ends(sent)
             committed = await wait_committed(rig, ends, timeout=10.0)
             behind = {p: (committed.get(p), end) for p, end in ends.items() if committed.get(p) != end}
-            # How often the watchdog had to seek back a partition that went quiet
-            # with records waiting (app/offsets.py, ``stalled``): shown, not asserted.
-            quiet = sum(w.text().count("nothing decided from offset") for w in rig.workers.started)
+            # How many transactions did not commit (aborted or fenced, app/eos.py: their
+            # records were decided again): shown, not asserted.
+            failed = sum(w.text().count("failed: KafkaError") for w in rig.workers.started)
             report(
-                t.line("rebalance", workers=3, stopped_rc=stopped, partitions_behind=len(behind), quiet_reseeks=quiet)
-            )
+                t.line("rebalance", workers=3, stopped_rc=stopped, partitions_behind=len(behind),
+                       transactions_not_committed=failed)
+            )  # fmt: skip
             assert t.dead_lettered == 0
             check_no_duplicate_disagrees(t)
             assert b.alive() and c.alive(), rig.workers.logs()
@@ -289,12 +291,12 @@ def partition_ends(sent: list[Msg]) -> dict[int, int]:
 
 
 async def wait_committed(rig: Rig, ends: dict[int, int], timeout: float) -> dict[int, int | None]:
-    """The group's committed offsets, once they reach ``ends`` or ``timeout`` passes
-    (committed with each batch's transaction)."""
+    """The scoring group's committed offsets, once they reach ``ends`` or ``timeout``
+    passes (committed by the scoring loop's transactions, app/eos.py)."""
     deadline = time.monotonic() + timeout
     while True:
-        committed = await committed_offsets(rig.bootstrap, rig.workers.base_env["FRAUD_APP_ID"],
-                                            rig.topics.transactions, PARTITIONS)  # fmt: skip
+        group = scoring_group(Settings(app_id=rig.workers.base_env["FRAUD_APP_ID"]))
+        committed = await committed_offsets(rig.bootstrap, group, rig.topics.transactions, PARTITIONS)
         if all(committed.get(p) == end for p, end in ends.items()) or time.monotonic() > deadline:
             return committed
         await asyncio.sleep(0.5)

@@ -96,8 +96,8 @@ def test_metrics_move_with_traffic(
                 await col.wait_for(lambda: all(col.has_outcome(m) for m in traffic), 60, "every outcome")
             finally:
                 await producer.stop()
-            # Lag reaches 0 once the last batch's Kafka transaction has committed its
-            # offsets (faust does not commit `transactions`; each batch's transaction does).
+            # Lag reaches 0 once the last Kafka transaction has committed its offsets
+            # (the scoring loop's transactions commit them: app/eos.py).
             deadline = time.monotonic() + 30
             while True:
                 text, after = await asyncio.to_thread(scrape, worker.port)
@@ -131,9 +131,10 @@ def test_metrics_move_with_traffic(
     assert delta("fraud_redis_round_trip_seconds_count", op="enrich") >= 1
     assert delta("fraud_redis_round_trip_seconds_count", op="rate_limit") >= 1
     assert delta("fraud_batch_size_sum") == len(traffic)
-    # Every batch committed in Kafka transactions (one per input partition), none fenced or failed.
+    # Every batch committed in Kafka transactions (each spans a commit interval's batches), none fenced or aborted.
     assert delta("fraud_kafka_transactions_total", result="committed") >= 1
     assert delta("fraud_kafka_transactions_total", result="fenced") == 0
+    assert delta("fraud_kafka_transactions_total", result="aborted") == 0
     # Lag per partition: one worker holds all of them; every message is committed.
     assert len(after["fraud_consumer_lag"]) == PARTITIONS
     assert total(after, "fraud_consumer_lag") == 0, after["fraud_consumer_lag"]
@@ -142,8 +143,8 @@ def test_metrics_move_with_traffic(
     assert total(after, "fraud_worker_capacity_tps") > 0
     [(labels, one)] = after["fraud_model_info"].items()
     assert one == 1 and dict(labels)["model_version"] == current_version(trained_registry)
-    # faust's own sensor is served alongside when asked for (FRAUD_FAUST_SENSORS). NOTE: it counts only messages faust
-    # tracks for acks; `transactions` is consumed with acks=False (app/commits.py),
+    # faust's own sensor is served alongside when asked for (FRAUD_FAUST_SENSORS). NOTE: it never sees
+    # `transactions`, which the scoring loop consumes through librdkafka (app/eos.py),
     # so fraud_messages_total is the count of transactions taken.
     assert "faust_messages_received_total" in after and "faust_consumer_commit_latency_count" in after
     # The autoscaling advice from it: one worker, all partitions seen, nothing behind.

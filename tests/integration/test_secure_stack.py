@@ -23,6 +23,7 @@ import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
 
+from agents.score import scoring_group
 from app.settings import Settings
 from app.topics import kafka_auth
 from tests.integration.workers import commit_offset, produce_one
@@ -193,7 +194,7 @@ def test_scale_advise_from_the_broker_runs_as_the_operator_who_reads_no_record(s
                 await producer.send_and_wait(S.topic_transactions, b"{}", partition=0)
         finally:
             await producer.stop()
-        await commit_offset(scoring.kafka_bootstrap, kafka_auth(scoring), S.app_id, S.topic_transactions, 2)
+        await commit_offset(scoring.kafka_bootstrap, kafka_auth(scoring), scoring_group(S), S.topic_transactions, 2)
 
     asyncio.run(commit_as_the_workers())
     done = cli(["scale", "advise", "--from-broker", "--interval", "1", "--capacity-tps", "1", "--json"],
@@ -215,7 +216,7 @@ def test_scale_advise_from_the_broker_runs_as_the_operator_who_reads_no_record(s
             await consumer.stop()
 
     async def reset_the_group() -> None:
-        await commit_offset(operator.kafka_bootstrap, kafka_auth(operator), S.app_id, S.topic_transactions, 5)
+        await commit_offset(operator.kafka_bootstrap, kafka_auth(operator), scoring_group(S), S.topic_transactions, 5)
 
     with pytest.raises(TopicAuthorizationFailedError):
         asyncio.run(read_a_payment())
