@@ -352,6 +352,8 @@ class ExactlyOnce:
         return settled
 
     def _settle(self, txn: _OpenTransaction, outcome: str) -> None:
+        if outcome == "fenced":
+            log.warning("fenced from partitions %s: their new owner decides these records", sorted(txn.first))
         self._settled.append((txn.seq, outcome))
         self.on_result(outcome)
 

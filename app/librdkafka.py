@@ -23,6 +23,10 @@ def client_config(settings: Settings, client_id: str) -> dict[str, object]:
         # NOTE: librdkafka logs through its own thread to stderr; the worker's
         # logging carries what matters (errors surface as exceptions).
         "log_level": 3,
+        # NOTE: librdkafka leaves Nagle's algorithm on by default; with the
+        # peer's delayed ACKs a small request waited up to ~40 ms on loopback
+        # (the bare pass-through's p50 was 45 ms at 100 TPS with it on).
+        "socket.nagle.disable": True,
     }
     if settings.kafka_ssl and settings.kafka_ssl_cafile:
         config["ssl.ca.location"] = str(settings.kafka_ssl_cafile)

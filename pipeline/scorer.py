@@ -475,8 +475,8 @@ class Scorer:
         feedback records (``shadow``: version, score, the action the rules would
         have taken with it) plus a ``shadow`` monitoring record.
 
-        Called by the agent after the decisions are handed to the producer, so
-        the shadow never delays or changes a decision. It runs on its own
+        Called by the agent before the batch is sent, so that its verdict
+        rides in the batch's transaction; it never changes a decision. It runs on its own
         thread, scores only, under the model budget; a shadow that fails or
         runs late only leaves the records without it, and while a late one is
         still running the following batches skip the shadow (counted in
