@@ -719,10 +719,16 @@ class Scorer:
         """Everything needed later to judge, retrain on and backtest this
         decision: the served vector, the transaction, the rule that decided and
         the merchant tally the rules saw."""
-        features = None if row is None else {n: (None if math.isnan(v) else v) for n, v in zip(FEATURE_NAMES, row)}
+        if row is None:
+            features = None
+        elif any(v != v for v in row):  # NaN: JSON has no NaN, the record says null
+            features = {n: (None if math.isnan(v) else v) for n, v in zip(FEATURE_NAMES, row)}
+        else:
+            features = dict(zip(FEATURE_NAMES, row))
         return {
             "decision": decision,
-            "transaction": {f: getattr(tx, f) for f in tx.__slots__},
+            # NOTE: the dataclass itself: orjson writes its fields as an object, in C.
+            "transaction": tx,
             "feature_set": FEATURE_SET_VERSION,
             "features": features,
             "rule": rule,
