@@ -126,6 +126,11 @@ class WorkerMetrics:
             "'fenced' (the group moved on: the partitions' new owner decides the records)",
             ["result"], registry=r,
         )  # fmt: skip
+        self.commit_seconds = Histogram(
+            "fraud_kafka_commit_seconds",
+            "One commit of the scoring loop's transaction (offsets with the group's metadata, then EndTxn)",
+            buckets=REDIS_BUCKETS, registry=r,
+        )
         self.model_info = Gauge(
             "fraud_model_info", "The model and rules versions deciding now (value 1)",
             ["model_version", "rules_version"], registry=r,

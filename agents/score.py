@@ -224,6 +224,7 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
         fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
     )
     stream.on_result = lambda result: metrics.transactions.labels(result).inc()
+    stream.on_commit_seconds = metrics.commit_seconds.observe
     metrics.offsets = stream.offsets
     return stream
 

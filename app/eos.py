@@ -189,6 +189,8 @@ class ExactlyOnce:
         #: Called (on the client thread) with the partitions assigned / revoked.
         self.on_assigned: Callable[[set[int]], None] = lambda _: None
         self.on_revoked: Callable[[set[int]], None] = lambda _: None
+        #: Called with how long each commit took (client thread).
+        self.on_commit_seconds: Callable[[float], None] = lambda _: None
         #: Called with "committed", "aborted" or "fenced" for each transaction.
         self.on_result: Callable[[str], None] = lambda _: None
 
@@ -347,7 +349,9 @@ class ExactlyOnce:
     def _commit_open(self) -> list[tuple[int, str]]:
         txn, self._txn = self._txn, None
         if txn is not None:
+            started = time.perf_counter()
             self._settle(txn, self._commit(txn))
+            self.on_commit_seconds(time.perf_counter() - started)
         settled, self._settled = self._settled, []
         return settled
 
