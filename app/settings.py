@@ -249,7 +249,7 @@ class Settings(BaseSettings):
     this much is there, or after ``consumer_fetch_max_wait_ms``. Above 1, fewer fetch
     requests for the broker to serve, each decision waiting up to the max wait."""
 
-    commit_interval_s: float = 0.05
+    commit_interval_s: float = 0.025
     """How long one Kafka transaction stays open over consecutive batches before
     it commits them (Kafka Streams' ``commit.interval.ms`` under exactly-once).
     A decision becomes visible when its transaction commits, so this adds up to
