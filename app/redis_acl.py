@@ -33,8 +33,9 @@ SENDS: dict[str, tuple[str, ...]] = {
     # Scripts (feature store, decision cache, replay guard, rate limiter) run by
     # SHA and are loaded again after a restart or failover (NOSCRIPT).
     "scripts": ("evalsha", "script|load"),
-    # pipeline/feature_store.py: profiles and merchant risk, the velocity script.
-    "feature store": ("hgetall", "zadd", "zremrangebyscore", "expire", "zrangebyscore"),
+    # pipeline/feature_store.py: profiles and merchant risk, the velocity script
+    # (window trimmed by score and capped by rank; the newest events read by ZRANGE BYSCORE REV).
+    "feature store": ("hgetall", "zadd", "zremrangebyscore", "zremrangebyrank", "expire", "zrange"),
     # pipeline/cache.py: MGET by id and content hash; SET NX EX (in a script, or pipelined on a cluster).
     "decision cache": ("mget", "set"),
     # pipeline/auth.py: SET NX GET EX per signature.

@@ -265,7 +265,8 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
             behind = {p: (committed.get(p), end) for p, end in ends.items() if committed.get(p) != end}
             # How many transactions did not commit (aborted or fenced, app/eos.py: their
             # records were decided again): shown, not asserted.
-            failed = sum(w.text().count("failed: KafkaError") for w in rig.workers.started)
+            failed = sum(w.text().count(line) for w in rig.workers.started
+                         for line in ("failed: KafkaError", "fenced from partitions"))  # fmt: skip
             report(
                 t.line("rebalance", workers=3, stopped_rc=stopped, partitions_behind=len(behind),
                        transactions_not_committed=failed)
