@@ -21,7 +21,12 @@ test -x $BIN/py-spy || $BIN/python -m pip install -q py-spy
 $BIN/python -m tools.stack up >/dev/null
 # shellcheck disable=SC1091
 source .stack/env
-export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_APP_ID=profile-$RANDOM FRAUD_WORKER_ROLE=score
+# Topics of its own: the local stack keeps earlier runs' records, which a new
+# group would otherwise decide first (it starts from the earliest offset).
+TAG=profile-$RANDOM
+export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_APP_ID=$TAG FRAUD_WORKER_ROLE=score
+export FRAUD_TOPIC_TRANSACTIONS=$TAG-tx FRAUD_TOPIC_DECISIONS=$TAG-dec FRAUD_TOPIC_DLQ=$TAG-dlq \
+  FRAUD_TOPIC_FEEDBACK=$TAG-fb FRAUD_TOPIC_MONITORING=$TAG-mon FRAUD_TOPIC_LABELS=$TAG-lab
 $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
 export FRAUD_DECISION_SIGNING_KEY_FILE=.stack/decision-key.pem FRAUD_DECISION_PUBLIC_KEYS_FILE=.stack/decision-public-keys.json
 $BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --public "$FRAUD_DECISION_PUBLIC_KEYS_FILE" >/dev/null
@@ -30,6 +35,9 @@ $BIN/fraud-pipeline materialize --data $POPULATION >/dev/null
 $BIN/fraud-pipeline worker > .stack/profile-worker.log 2>&1 &
 WORKER_PID=$!
 for _ in $(seq 1 120); do grep -q "Ready" .stack/profile-worker.log && break; sleep 0.5; done
+# Warm-up load first: the model's first calls, the transactional producer's
+# first partitions and the local caches are not what a profile should show.
+$BIN/fraud-pipeline loadgen --rate 100 --duration 5 --data $POPULATION --every 5 --verify-share 0.02 >/dev/null || true
 $BIN/fraud-pipeline loadgen --rate "$RATE" --duration "$DURATION" --data $POPULATION --every 5 --verify-share 0.02 \
   --json .stack/profile-load.json &
 LOAD=$!
