@@ -22,7 +22,7 @@ SOAK_VARIANT ?= ceiling
 # What only the tests need (the demo does not): docker-compose validates
 # docker-compose.yml, kcat runs the README's plain-client example, Chromium
 # drives the review page's browser test.
-.PHONY: setup test-tools lint demo test soak stack-up stack-down stack-status simulate train materialize clean
+.PHONY: setup test-tools lint check demo test soak stack-up stack-down stack-status simulate train materialize clean
 
 KAFKA_LIB := .kafka/lib
 KAFKA_STAMP := $(KAFKA_LIB)/.fetched
@@ -109,7 +109,13 @@ demo: setup
 # fixtures start (or KAFKA_BOOTSTRAP / REDIS_URL when set) and stop.
 test: setup test-tools lint
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
-	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider
+	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+# The developer's loop: static checks and the tests that need no broker or
+# Redis (pure stages, the scoring loop on in-memory Kafka and stores), in a
+# few minutes. `make test` runs everything, as CI does.
+check: setup lint
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
 
 # The fault and fuzz tests, longer (minutes): more load, longer outages. Then
 # SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and

@@ -24,10 +24,10 @@ from app.contract import Transaction
 from app.errors import FeatureStoreError
 from app.redis_client import is_cluster_client
 from app.redis_keys import merchant_key, profile_key, velocity_key
+from pipeline.feature_defs import VELOCITY_MAX_EVENTS
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
-    VELOCITY_MAX_EVENTS,
     MerchantRisk,
     UserProfile,
     velocity_batch,
@@ -89,9 +89,9 @@ for i = 1, n do
   local a = 3 + (i - 1) * 4
   redis.call('ZADD', KEYS[i], ARGV[a + 2], ARGV[a + 1])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', '(' .. ARGV[a + 3])
-  redis.call('ZREMRANGEBYRANK', KEYS[i], 0, -%(keep_events)d)
+  redis.call('ZREMRANGEBYRANK', KEYS[i], 0, -KEEP_EVENTS_PLUS_ONE)
   redis.call('EXPIRE', KEYS[i], keep)
-  local events = redis.call('ZRANGE', KEYS[i], ARGV[a + 2], '(' .. ARGV[a + 4], 'BYSCORE', 'REV', 'LIMIT', 0, %(max_events)d, 'WITHSCORES')
+  local events = redis.call('ZRANGE', KEYS[i], ARGV[a + 2], '(' .. ARGV[a + 4], 'BYSCORE', 'REV', 'LIMIT', 0, MAX_EVENTS, 'WITHSCORES')
   local tv = {}
   for k = 1, #events, 2 do  -- time, amount (the member's part after its last '|')
     tv[k] = events[k + 1]
@@ -104,7 +104,7 @@ for j = first + 1, #ARGV do
   out[n + j - first] = redis.call('HGETALL', ARGV[j])
 end
 return out
-""" % {"keep_events": VELOCITY_KEEP_EVENTS + 1, "max_events": VELOCITY_MAX_EVENTS}
+""".replace("KEEP_EVENTS_PLUS_ONE", str(VELOCITY_KEEP_EVENTS + 1)).replace("MAX_EVENTS", str(VELOCITY_MAX_EVENTS))
 
 
 def velocity_member(tx: Transaction) -> str:
