@@ -259,7 +259,10 @@ def test_sustainable_and_ratios() -> None:
     assert ms["unbatched"][threshold_key(200)]["bracket"] == [1000.0, 2500.0]
     assert ms["unbatched"][threshold_key(50)]["tps"] == 0.0
     assert ms["batched"][threshold_key(200)]["tps"] == 2500.0
-    assert doc["ratios"] == {"threshold_ms": 200.0, "batched_over_unbatched": 2.5, "batched_over_ceiling": 0.5}
+    # No bare-client run here: its ratio is unknown, not zero.
+    assert doc["ratios"] == {
+        "threshold_ms": 200.0, "batched_over_unbatched": 2.5, "batched_over_ceiling": 0.5, "batched_over_bare": None,
+    }  # fmt: skip
     assert ratios(ms, 50.0)["batched_over_unbatched"] is None  # unbatched sustained nothing
 
 
@@ -405,3 +408,18 @@ def test_on_the_secure_stack_each_bench_process_gets_its_roles_credentials(tmp_p
     plain = Services("127.0.0.1:1", "redis://127.0.0.1:2/0")
     assert not any(k.startswith(("FRAUD_KAFKA_SASL", "FRAUD_REDIS_USERNAME")) for k in plain.env())
     assert plain.client_env() == {} and plain.admin_options() == {}
+
+
+def test_cpu_by_rate_has_every_rate_once_and_marks_the_knee() -> None:
+    from bench.run import cpu_by_rate
+
+    runs = [record(BATCHED, 500.0, p99=80.0), record(BATCHED, 1000.0, p99=150.0), record(BATCHED, 2000.0, p99=900.0)]
+    repeat = record(BATCHED, 1000.0, p99=120.0)
+    runs.append(repeat)
+    for run in runs:
+        run["cpu_ms_per_decision"] = {"worker": 0.5, "broker": 0.3}
+    rows = cpu_by_rate(runs)["batched"]
+    assert [r["offered_tps"] for r in rows] == [500.0, 1000.0, 2000.0]  # the first run of each rate
+    assert [r["passes"] for r in rows] == [True, True, False]
+    assert [r["knee"] for r in rows] == [False, True, False]  # the highest passing rate
+    assert rows[0]["worker"] == 0.5 and rows[0]["broker"] == 0.3
