@@ -175,12 +175,17 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     @app.task
     async def score() -> None:
         scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
-        await scorer.warm_up()
-        await reloader.apply(scorer)  # the shadow and drift reference, if any
-        await stream.start()
-        log.info("scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id)
         loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings)
         try:
+            await scorer.warm_up()
+            await reloader.apply(scorer)  # the shadow and drift reference, if any
+            # NOTE: inside the try: a worker whose producer cannot start (the
+            # coordinator unreachable past init_transactions' timeout) exits to
+            # be restarted, instead of serving /metrics while deciding nothing.
+            await stream.start()
+            log.info(
+                "scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id
+            )
             await loop.run()
         except asyncio.CancelledError:
             raise

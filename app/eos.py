@@ -34,6 +34,7 @@ transactions: a revocation never meets an open transaction of this worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -200,7 +201,7 @@ class ExactlyOnce:
         await self._call(self._start)
 
     def _start(self) -> None:
-        self._producer = self._new_producer()
+        self._replace_producer()  # tried again for a minute: the coordinator may still be loading
         self._consumer = self._consumer_factory(self._consumer_config)
         self._consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
 
@@ -424,7 +425,10 @@ class ExactlyOnce:
 
     def _replace_producer(self) -> None:
         kafka = _kafka()
-        self._producer = None
+        old, self._producer = self._producer, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.purge()  # its records belong to an aborted transaction
         deadline = time.monotonic() + 60.0
         while self._producer is None:
             try:
