@@ -610,39 +610,53 @@ def _java_argfile_quote(argument: str) -> str:
 
 
 def start_redis(
-    port: int | None = None, workdir: Path = DEFAULT_STATE_DIR, *, secure: bool = False
+    port: int | None = None,
+    workdir: Path = DEFAULT_STATE_DIR,
+    *,
+    secure: bool = False,
+    name: str = "redis",
+    config: Path | None = None,
+    program: str | None = None,
 ) -> ServiceHandle:
     """Start redis-server on 127.0.0.1:``port`` (a free one if None); return once it answers PING.
 
-    No persistence: every start is empty. Logs to ``workdir/redis.log``. The handle's
+    No persistence: every start is empty. Logs to ``workdir/<name>.log``. The handle's
     ``url`` is ``redis://127.0.0.1:PORT/0``.
 
     ``secure``: ACL users instead of the open ``default`` user (switched off): one
     per role of ``app.redis_keys.ACL_KEY_PATTERNS`` (worker, gateway, materialize)
     and ``admin`` (everything: tests, operators). Each gets a fresh random password
     in ``redis_password_path(workdir, role)`` (0600), for ``FRAUD_REDIS_USERNAME`` +
-    ``FRAUD_REDIS_PASSWORD_FILE``. The handle's ``url`` then carries the admin's
-    credentials.
+    ``FRAUD_REDIS_PASSWORD_FILE``; a ``workdir/users.acl`` written before (the
+    replicated Redis's nodes share one) is kept. The handle's ``url`` then carries
+    the admin's credentials.
+
+    ``config``: a config file read first (replication settings: ``tools/redis_ha.py``);
+    ``program``: another binary (``redis-sentinel``).
     """
     port = port or free_port()
-    _ensure_port_free(port, "redis")
+    _ensure_port_free(port, name)
     workdir.mkdir(parents=True, exist_ok=True)
     argv = [
-        _redis_binary(),
+        program or _redis_binary(),
+        *([str(config.resolve())] if config is not None else []),
         "--port", str(port),
         "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
         "--daemonize", "no",
         "--dir", str(workdir.resolve()),
     ]  # fmt: skip
+    if program is None:
+        argv += ["--save", "", "--appendonly", "no"]
     url = f"redis://127.0.0.1:{port}/0"
     if secure:
         acl_file = workdir / "users.acl"
-        admin = _write_acl(acl_file, workdir)
-        argv += ["--aclfile", str(acl_file.resolve())]
+        admin_file = redis_password_path(workdir, "admin")
+        admin = admin_file.read_text().strip() if acl_file.exists() and admin_file.exists() and name != "redis" else ""
+        admin = admin or _write_acl(acl_file, workdir)
+        if program is None:  # a Sentinel takes its users from its config file
+            argv += ["--aclfile", str(acl_file.resolve())]
         url = f"redis://admin:{admin}@127.0.0.1:{port}/0"
-    handle = _spawn("redis", argv, url, workdir / "redis.log")
+    handle = _spawn(name, argv, url, workdir / f"{name}.log")
     return _ready_or_stopped(handle, wait_redis_ready)
 
 
@@ -664,7 +678,8 @@ def _write_acl(acl_file: Path, workdir: Path) -> str:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(password + "\n")
-        rules = "resetchannels ~* +@all" if role == "admin" else acl_rule(role)
+        # admin's channels: the Sentinels (as admin) talk through __sentinel__:hello.
+        rules = "resetchannels &__sentinel__:* ~* +@all" if role == "admin" else acl_rule(role)
         digest = hashlib.sha256(password.encode()).hexdigest()
         lines.append(f"user {role} on #{digest} {rules}")
         if role == "admin":
