@@ -193,6 +193,12 @@ class Settings(BaseSettings):
     partitions: int = 8
     """Partitions of ``transactions`` (and of ``decisions``): the unit of scaling."""
 
+    replication_factor: int = Field(0, ge=0)
+    """Replicas of each project topic when ``fraud-pipeline topics`` (or a worker)
+    creates it. 0: 3 on a cluster of 3 or more brokers (then also
+    ``min.insync.replicas=2``: a write is acknowledged by two brokers, and one
+    broker may be lost without stopping writes), 1 on a single broker."""
+
     consumer_fetch_max_wait_ms: int = 20
     """How long a fetch of the scoring consumer and of the gateway's reply
     reader waits when there is less than ``fetch_min_bytes`` (Kafka answers

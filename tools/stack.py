@@ -576,7 +576,9 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
+def _format_log_dir(
+    jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = (), cluster_id: str | None = None
+) -> None:
     """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
     ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
     are never written to the log).
@@ -587,8 +589,8 @@ def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Seq
     The launcher expands ``@`` files only up to the main class, so the class is in
     the file too.
     """
-    cluster_id = new_cluster_id()
-    argfile = log_path.parent / "format.args"
+    cluster_id = cluster_id or new_cluster_id()
+    argfile = config.parent / "format.args"
     arguments = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra]
     _write_private(argfile, "".join(_java_argfile_quote(a) + "\n" for a in arguments))
     try:
@@ -967,22 +969,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{DEFAULT_SECURE_STATE_DIR} unless --state-dir",
     )  # fmt: skip
     parser.add_argument(
+        "--brokers", type=int, default=1,
+        help="1: one Kafka node and one Redis; 3 (or more): a KRaft cluster (3 replicas, min ISR 2) and a Redis "
+        "primary with 2 replicas and 3 Sentinels (tools/cluster.py), state in .stack/cluster[-secure]",
+    )  # fmt: skip
+    parser.add_argument(
         "--state-dir", type=Path, help=f"PID, log and env files (default {DEFAULT_STATE_DIR})"
     )
-    parser.add_argument("--broker-port", type=int, default=DEFAULT_BROKER_PORT, help="up: the broker's port")
-    parser.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT, help="up: Redis's port")
+    parser.add_argument("--broker-port", type=int, help=f"up: the broker's port (default {DEFAULT_BROKER_PORT}; "
+                        "a cluster's first node: 29092, the next ones 2 ports apart)")  # fmt: skip
+    parser.add_argument("--redis-port", type=int, help=f"up: Redis's port (default {DEFAULT_REDIS_PORT}; "
+                        "a cluster's first Redis node: 29379)")  # fmt: skip
     parser.add_argument("--kafka-user", help="env: the process's SCRAM user on the secure broker")
     parser.add_argument("--redis-user", help="env: the process's ACL user on the secure Redis")
     args = parser.parse_args(argv)
-    state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
     # Messages to stderr, so stdout of `up` stays fit for eval.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # The client library's own INFO lines ("Authenticated as admin ...") are noise here.
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    if args.brokers == 2 or args.brokers < 1:
+        print("error: --brokers is 1 or at least 3 (3 replicas with min.insync.replicas=2)", file=sys.stderr)
+        return 2
     try:
+        if args.brokers >= 3:
+            from tools import cluster  # it builds on this module
+
+            return cluster.cli(args)
+        state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
         if args.command == "up":
             return _cmd_up(
-                state_dir, secure=args.secure, broker_port=args.broker_port, redis_port=args.redis_port,
+                state_dir, secure=args.secure, broker_port=args.broker_port or DEFAULT_BROKER_PORT,
+                redis_port=args.redis_port or DEFAULT_REDIS_PORT,
                 other=None if args.state_dir else (DEFAULT_STATE_DIR if args.secure else DEFAULT_SECURE_STATE_DIR),
             )  # fmt: skip
         if args.command == "env":
