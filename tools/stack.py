@@ -217,7 +217,16 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # it exists, owned by another user
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process that its parent (another process) has not reaped yet: gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (macOS), or it was just reaped
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:
