@@ -367,8 +367,7 @@ def _redis_line(state_dir: Path, env: dict[str, str]) -> str:
         view = redis_ha.topology(sentinels)
     except StackError as exc:
         return f"redis: {exc}"
-    return f"redis: primary {view['primary']} ({view['flags']}), in-sync replicas {view['replica_addrs']}, " \
-           f"{view['sentinels'] + 1} Sentinels"  # fmt: skip
+    return f"redis: primary {view.primary} ({view.flags}), in-sync replicas {view.replicas}, {view.sentinels + 1} Sentinels"
 
 
 def _sentinel_ports(url: str) -> list[int]:

@@ -25,13 +25,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from app.errors import StackError
 from tools.stack import ServiceHandle, redis_password_path, start_redis
 
-__all__ = ["DOWN_AFTER_MS", "SERVICE", "RedisHA", "sentinel_url", "start_redis_ha", "topology", "wait_replicated"]
+__all__ = ["DOWN_AFTER_MS", "SERVICE", "RedisHA", "SentinelView", "sentinel_url", "start_redis_ha", "topology", "wait_replicated"]
 
 #: The name the Sentinels monitor (the URL's path: ``/fraud/0``).
 SERVICE = "fraud"
@@ -40,6 +41,18 @@ DOWN_AFTER_MS = 2000
 FAILOVER_TIMEOUT_MS = 6000
 QUORUM = 2
 _READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class SentinelView:
+    """What one Sentinel says of the service: the primary (``host:port``), its
+    flags (``master``, or ``o_down``/``failover_in_progress`` mid-failover), the
+    replicas in sync and how many other Sentinels it knows."""
+
+    primary: str
+    flags: str
+    replicas: list[str]
+    sentinels: int
 
 
 @dataclass
@@ -104,8 +117,8 @@ def wait_replicated(ha: RedisHA, replicas: int, timeout: float = _READY_TIMEOUT_
         except redis.RedisError as exc:
             last = f"{type(exc).__name__}: {exc}"
         else:
-            primaries = {v["primary"] for v in views}
-            ok = all(v["replicas"] >= replicas and v["sentinels"] >= len(ha.sentinels) - 1 for v in views)
+            primaries = {v.primary for v in views}
+            ok = all(len(v.replicas) >= replicas and v.sentinels >= len(ha.sentinels) - 1 for v in views)
             if len(primaries) == 1 and ok:
                 return primaries.pop()
             last = repr(views)
@@ -113,7 +126,7 @@ def wait_replicated(ha: RedisHA, replicas: int, timeout: float = _READY_TIMEOUT_
     raise StackError(f"Redis replication not ready after {timeout:g} s (Sentinels saw: {last})")
 
 
-def topology(sentinel_urls: list[str]) -> dict[str, object]:
+def topology(sentinel_urls: list[str]) -> SentinelView:
     """What the first Sentinel that answers says: the primary, its replicas (with
     their link state) and how many Sentinels watch it."""
     for url in sentinel_urls:
@@ -124,20 +137,18 @@ def topology(sentinel_urls: list[str]) -> dict[str, object]:
     raise StackError("no Sentinel answered")
 
 
-def _sentinel_view(url: str) -> dict[str, object]:
+def _sentinel_view(url: str) -> SentinelView:
     client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
     try:
-        master = client.execute_command("SENTINEL", "MASTER", SERVICE)
+        master: Any = client.execute_command("SENTINEL", "MASTER", SERVICE)  # type: ignore[no-untyped-call]
         info = dict(zip(master[::2], master[1::2], strict=False)) if isinstance(master, list) else master
-        slaves = client.execute_command("SENTINEL", "REPLICAS", SERVICE)
+        slaves: Any = client.execute_command("SENTINEL", "REPLICAS", SERVICE)  # type: ignore[no-untyped-call]
         in_sync = [s for s in slaves if _flag(s, "master-link-status") == "ok" and "down" not in _flag(s, "flags")]
-        return {
-            "primary": f"{info['ip']}:{info['port']}",
-            "flags": info["flags"],
-            "replicas": len(in_sync),
-            "replica_addrs": sorted(f"{_flag(s, 'ip')}:{_flag(s, 'port')}" for s in in_sync),
-            "sentinels": int(info["num-other-sentinels"]),
-        }
+        return SentinelView(
+            primary=f"{info['ip']}:{info['port']}", flags=str(info["flags"]),
+            replicas=sorted(f"{_flag(s, 'ip')}:{_flag(s, 'port')}" for s in in_sync),
+            sentinels=int(info["num-other-sentinels"]),
+        )  # fmt: skip
     finally:
         client.close()
 

@@ -52,10 +52,10 @@ def ha(tmp_path: Path) -> Iterator[redis_ha.RedisHA]:
 
 def _kill_primary(ha: redis_ha.RedisHA) -> tuple[str, float]:
     """SIGKILL the primary (by its PID); return its address and when (monotonic)."""
-    primary = redis_ha.topology([h.url for h in ha.sentinels])["primary"]
-    [node] = [h for h in ha.nodes if h.url.split("//")[1].startswith(str(primary))]
+    primary = redis_ha.topology([h.url for h in ha.sentinels]).primary
+    [node] = [h for h in ha.nodes if h.url.split("//")[1].startswith(primary)]
     os.kill(node.pid, signal.SIGKILL)
-    return str(primary), time.monotonic()
+    return primary, time.monotonic()
 
 
 def _new_primary(ha: redis_ha.RedisHA, old: str, timeout: float = 30.0) -> str:
@@ -64,9 +64,9 @@ def _new_primary(ha: redis_ha.RedisHA, old: str, timeout: float = 30.0) -> str:
         try:
             view = redis_ha.topology([h.url for h in ha.sentinels])
         except Exception:  # a Sentinel busy electing: ask again
-            view = {}
-        if view.get("primary") not in (None, old) and "failover" not in str(view.get("flags")):
-            return str(view["primary"])
+            view = None
+        if view is not None and view.primary != old and "failover" not in view.flags:
+            return view.primary
         time.sleep(0.1)
     raise AssertionError(f"no replica promoted within {timeout:g} s")
 
@@ -75,10 +75,8 @@ def test_the_url_names_sentinels_service_and_database(ha: redis_ha.RedisHA) -> N
     client = sync_client(Settings(redis_url=ha.url), timeout_s=2)
     try:
         client.set("fp:probe", "1")
-        primary = redis_ha.topology([h.url for h in ha.sentinels])["primary"]
-        assert client.connection_pool.get_master_address() == tuple(
-            [str(primary).split(":")[0], int(str(primary).split(":")[1])]
-        )
+        host, port = redis_ha.topology([h.url for h in ha.sentinels]).primary.split(":")
+        assert client.connection_pool.get_master_address() == (host, int(port))
     finally:
         client.close()
 

@@ -252,3 +252,17 @@ def test_a_new_cluster_id_never_reads_as_an_option(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(stack.uuid, "uuid4", lambda: next(draws))
     cluster_id = stack.new_cluster_id()
     assert not cluster_id.startswith("-") and len(cluster_id) == 22
+
+
+def test_the_readme_says_the_topology_and_how_to_size_it() -> None:
+    """The topology table names what the compose file sets; sizing gives a method
+    and points at the measured figures rather than copying them."""
+    text = (DEPLOY / "README.md").read_text()
+    topology = text.split("## Topology", 1)[1].split("\n## ", 1)[0]
+    for needle in ("3 KRaft nodes", "min.insync.replicas=2", "acks=all", "unclean.leader.election.enable=false",
+                   "3 Sentinels", "redis+sentinel://"):  # fmt: skip
+        assert needle in topology, needle
+    sizing = text.split("## Sizing brokers and partitions for 5,000 TPS", 1)[1].split("\n## ", 1)[0]
+    assert "../docs/performance.md" in sizing and (REPO / "docs" / "performance.md").is_file()
+    for part in ("**Workers**", "**Partitions**", "**Broker CPU**", "**Redis**"):
+        assert part in sizing, part
