@@ -158,6 +158,14 @@ BROKER_CONFIG: dict[str, str] = {
     # for such transactions every 10 s by default, so the stall was 10-20 s; a
     # restarted worker fences its own at once (its transactional id is stable).
     "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+    # A broker restarted after a kill -9 cannot register until the controller
+    # has expired its dead incarnation's session (DUPLICATE_BROKER_REGISTRATION,
+    # retried with a doubling backoff): with the default 9 s session that was
+    # 13 of the 18 s between the restart and the first answer. On a cluster the
+    # same timeout is how soon a dead broker is fenced and loses its
+    # leaderships. Defaults 9 s / 2 s heartbeats.
+    "broker.session.timeout.ms": "3000",
+    "broker.heartbeat.interval.ms": "500",
 }
 
 _BROKER_LOG4J = """\

@@ -60,6 +60,7 @@ def test_kafka_is_three_kraft_nodes_replicating_every_topic(compose: dict[str, A
     """Three voters that are brokers too; 3 replicas and 2 in sync for every topic,
     the internal ones included; no unclean election; as the local cluster runs it."""
     from tools.cluster import CLUSTER_CONFIG
+    from tools.stack import BROKER_CONFIG
 
     services = compose["services"]
     envs = [services[name]["environment"] for name in KAFKA_NODES]
@@ -75,10 +76,12 @@ def test_kafka_is_three_kraft_nodes_replicating_every_topic(compose: dict[str, A
         host_ports.add(env["KAFKA_ADVERTISED_LISTENERS"].rsplit(":", 1)[1])
         assert not any("zookeeper" in k.lower() or "zookeeper" in str(v) for k, v in env.items())
         assert str(env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]).lower() == "false"  # topics come from app/topics.py
-        for key, value in CLUSTER_CONFIG.items():
+        for key, value in {**BROKER_CONFIG, **CLUSTER_CONFIG}.items():
+            if key in ("node.id", "listener.security.protocol.map"):  # per node; compose adds a host listener
+                continue
             compose_key = "KAFKA_" + key.upper().replace(".", "_")
             if compose_key in env:
-                assert str(env[compose_key]).lower() == value, f"{name}: {compose_key} differs from the local cluster"
+                assert str(env[compose_key]).lower() == value.lower(), f"{name}: {compose_key} differs from the local cluster"
         for key in ("offsets.topic.replication.factor", "transaction.state.log.replication.factor",
                     "transaction.state.log.min.isr", "default.replication.factor", "min.insync.replicas",
                     "unclean.leader.election.enable"):  # fmt: skip
