@@ -29,7 +29,19 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import redis
-from workers import Collector, Msg, Topics, TxFactory, Workers, make_producer, report, send_paced, tally, tx_msg, worker_env
+from workers import (
+    Collector,
+    Msg,
+    Topics,
+    TxFactory,
+    Workers,
+    make_producer,
+    report,
+    send_paced,
+    tally,
+    tx_msg,
+    worker_env,
+)
 
 from tools import stack
 from tools.materialize import materialize
