@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     kafka_sasl_password: SecretStr | None = None
     kafka_sasl_password_file: Path | None = None
     """A file holding the SASL password (used when ``kafka_sasl_password`` is unset):
-    the secure local stack writes one per role (``tools/stack.py``)."""
+    the secure local stack writes one per role (``tools/stack/``)."""
 
     kafka_ssl: bool = False
     """Use TLS for the broker connection (CA: ``kafka_ssl_cafile``, else the system bundle)."""

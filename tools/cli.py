@@ -444,9 +444,10 @@ def cmd_decision_key(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from tools import stack
+    from tools import cluster, stack
 
-    return stack.main([args.action, *(["--secure"] if args.secure else []), "--brokers", str(args.brokers)])
+    argv = [args.action, *(["--secure"] if args.secure else []), "--brokers", str(args.brokers)]
+    return stack.main(argv, cluster_cli=cluster.cli)
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

@@ -113,7 +113,7 @@ _REUSE_TIMEOUT_S = 3.0
 _LOG_TAIL_LINES = 20
 
 #: Where ``make setup`` puts the broker's class path (``deploy/kafka/pom.xml``).
-KAFKA_LIB_DIR = Path(__file__).resolve().parents[1] / ".kafka" / "lib"
+KAFKA_LIB_DIR = Path(__file__).resolve().parents[2] / ".kafka" / "lib"
 #: Heap for a 2-core machine shared with the workers, Redis and the load generator.
 BROKER_HEAP = ("-Xms256m", "-Xmx768m")
 
@@ -978,8 +978,12 @@ def _read_env(path: Path) -> dict[str, str]:
 # --- CLI ---------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tools.stack up|down|status|env``; ``up`` and ``env`` print ``export`` lines for ``eval``."""
+def main(argv: Sequence[str] | None = None, cluster_cli: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """``python -m tools.stack up|down|status|env``; ``up`` and ``env`` print ``export`` lines for ``eval``.
+
+    ``cluster_cli``: what runs ``--brokers 3`` (``tools.cluster.cli``; passed in by
+    ``python -m tools.stack`` and the CLI, since tools.cluster builds on this module).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m tools.stack", description=__doc__.splitlines()[0]
     )
@@ -1013,9 +1017,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.brokers >= 3:
-            from tools import cluster  # it builds on this module
-
-            return cluster.cli(args)
+            if cluster_cli is None:
+                raise StackError("--brokers 3 runs through `python -m tools.stack` (tools/cluster.py)")
+            return cluster_cli(args)
         state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
         if args.command == "up":
             return _cmd_up(
@@ -1089,6 +1093,3 @@ _COMMANDS: dict[str, Callable[[Path], int]] = {
     "status": _cmd_status,
 }
 
-
-if __name__ == "__main__":
-    sys.exit(main())
