@@ -18,11 +18,14 @@ SOAK_RATE ?= 500
 # transactions saturates below 500 TPS on 2 cores (docs/performance.md);
 # SOAK_VARIANT=batched SOAK_RATE=250 soaks the full pipeline.
 SOAK_VARIANT ?= ceiling
+# stack-up / stack-status: 1 broker and 1 Redis, or BROKERS=3: a 3-node KRaft
+# cluster and a Redis primary with 2 replicas and 3 Sentinels (tools/cluster.py).
+BROKERS ?= 1
 
 # What only the tests need (the demo does not): docker-compose validates
 # docker-compose.yml, kcat runs the README's plain-client example, Chromium
 # drives the review page's browser test.
-.PHONY: setup test-tools lint check demo test soak stack-up stack-down stack-status simulate train materialize clean
+.PHONY: setup test-tools lint check demo test test-cluster soak stack-up stack-down stack-status simulate train materialize clean
 
 KAFKA_LIB := .kafka/lib
 KAFKA_STAMP := $(KAFKA_LIB)/.fetched
@@ -44,6 +47,9 @@ $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 \
 	  || { echo "need redis-server on PATH (Debian: apt-get install redis-server)"; exit 1; }; }
+	@command -v redis-sentinel >/dev/null || { echo "installing redis-sentinel (apt; the replicated stack's failover)"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-sentinel) >/dev/null 2>&1 \
+	  || { echo "need redis-sentinel on PATH (Debian: apt-get install redis-sentinel)"; exit 1; }; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -61,14 +67,16 @@ test-tools:
 	  || { echo "need chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)"; exit 1; }; }
 
 stack-up: setup
-	$(PY) -m tools.stack up
+	$(PY) -m tools.stack up --brokers $(BROKERS)
 
-# Both stacks: the plaintext one (.stack) and the secure one (.stack/secure).
+# Every stack: the plaintext one (.stack), the secure one (.stack/secure) and
+# both clusters (.stack/cluster, .stack/cluster-secure).
 stack-down:
-	@test -x $(PY) && { $(PY) -m tools.stack down; $(PY) -m tools.stack down --secure; } || true
+	@test -x $(PY) && { $(PY) -m tools.stack down; $(PY) -m tools.stack down --secure; \
+	  $(PY) -m tools.stack down --brokers 3; $(PY) -m tools.stack down --brokers 3 --secure; } || true
 
 stack-status: setup
-	$(PY) -m tools.stack status
+	$(PY) -m tools.stack status --brokers $(BROKERS)
 
 $(DATA): | setup
 	$(FP) simulate --users 2000 --merchants 4000 --days 45 --out $(DATA)
@@ -116,6 +124,15 @@ test: setup test-tools lint
 # few minutes. `make test` runs everything, as CI does.
 check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
+
+# The replicated stack (minutes: three Kafka JVMs, Redis with Sentinels): up,
+# status, down, a broker lost under acks=all, the secure cluster, and a worker
+# under load through a Redis failover (tests/integration/test_cluster.py,
+# test_redis_failover.py). `make test` runs only their fast part.
+test-cluster: setup
+	@mkdir -p .stack
+	FRAUD_CLUSTER=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider \
+	  tests/integration/test_cluster.py tests/integration/test_redis_failover.py
 
 # The fault and fuzz tests, longer (minutes): more load, longer outages. Then
 # SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and

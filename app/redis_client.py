@@ -1,8 +1,20 @@
-"""Redis clients from settings: one server, or a Redis Cluster.
+"""Redis clients from settings: one server, a primary watched by Sentinels, or a Redis Cluster.
 
 A cluster is chosen by the URL scheme (``redis+cluster://host:port``, or
 ``rediss+cluster://`` with TLS) or by ``FRAUD_REDIS_CLUSTER=true`` with a
 plain ``redis://`` URL naming any node; the client discovers the rest.
+
+A primary with replicas under Sentinel is chosen by
+``redis+sentinel://host:port,host:port,host:port/<service>/<db>`` (the
+Sentinels, the name they monitor, the database; ``rediss+sentinel://`` for TLS
+to the data nodes). The client asks the Sentinels where the primary is on every
+new connection, so after a failover (the primary lost, a replica promoted) the
+next command that fails on a dead connection reconnects to the new primary: no
+process restarts. The local stack runs this topology (``tools/redis_ha.py``);
+it is preferred over a Redis Cluster there because the data path stays one
+server (scripts and pipelines unchanged), and a replica per primary needs 6
+servers on a cluster against 3 + 3 Sentinels. Sentinels take the same user and
+password as the data nodes (``redis_username`` / ``redis_password_file``).
 
 Every process builds its clients here (the worker's scoring and feedback
 agents, the gateway, the CLI, the benchmarks), so a cluster setting reaches
@@ -30,11 +42,12 @@ from app.errors import ConfigError
 from app.settings import Settings
 
 __all__ = [
-    "BATCH_TIMEOUT_S", "async_client", "credentials", "is_cluster", "is_cluster_client", "plain_url", "sync_client",
-    "tls_options",
+    "BATCH_TIMEOUT_S", "async_client", "credentials", "is_cluster", "is_cluster_client", "is_sentinel", "plain_url",
+    "sentinel_target", "sync_client", "tls_options",
 ]  # fmt: skip
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 
 
 def is_cluster(settings: Settings) -> bool:
@@ -47,6 +60,32 @@ def is_cluster_client(client: Any) -> bool:
     from redis.asyncio.cluster import RedisCluster
 
     return isinstance(client, RedisCluster)
+
+
+def is_sentinel(settings: Settings) -> bool:
+    """A primary found through Sentinels (``redis+sentinel://``)."""
+    return settings.redis_url.split("://", 1)[0].lower() in _SENTINEL_SCHEMES
+
+
+def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int, bool]:
+    """``(sentinels, service, db, tls)`` of a ``redis+sentinel://h:p,h:p/<service>/<db>`` URL."""
+    scheme, _, rest = url.partition("://")
+    hosts, _, path = rest.partition("/")
+    service, _, db = path.partition("/")
+    if not hosts or not service:
+        raise ConfigError(f"a Sentinel URL names its Sentinels and service: redis+sentinel://host:port,.../<service>/<db>, not {url!r}")
+    sentinels: list[tuple[str, int]] = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        try:
+            sentinels.append((name or port, int(port) if name else 26379))
+        except ValueError:
+            raise ConfigError(f"bad Sentinel address {host!r} in {url!r}") from None
+    try:
+        database = int(db.strip("/") or 0)
+    except ValueError:
+        raise ConfigError(f"bad database {db!r} in {url!r}") from None
+    return sentinels, service, database, _SENTINEL_SCHEMES.get(scheme.lower()) == "rediss"
 
 
 def plain_url(url: str) -> str:
@@ -124,6 +163,10 @@ def async_client(
     options = _options(timeout, connect_timeout_s, s.redis_pool_size if max_connections is None else max_connections)
     options.update(credentials(s))
     options.update(tls_options(s))
+    if is_sentinel(s):
+        from redis.asyncio.sentinel import Sentinel
+
+        return _via_sentinel(Sentinel, s, options)
     if is_cluster(s):
         from redis.asyncio.cluster import RedisCluster
 
@@ -147,6 +190,10 @@ def sync_client(
     options = _options(timeout_s, connect_timeout_s, None)
     options.update(credentials(settings))
     options.update(tls_options(settings))
+    if is_sentinel(settings):
+        from redis.sentinel import Sentinel
+
+        return _via_sentinel(Sentinel, settings, options)
     if is_cluster(settings):
         from redis.cluster import RedisCluster
 
@@ -154,3 +201,19 @@ def sync_client(
     import redis
 
     return redis.Redis.from_url(settings.redis_url, **options)
+
+
+def _via_sentinel(sentinel_class: Any, settings: Settings, options: dict[str, Any]) -> Any:
+    """The primary's client, through ``sentinel_class`` (sync or asyncio redis-py)."""
+    sentinels, service, db, tls = sentinel_target(settings.redis_url)
+    # The Sentinels answer in well under a connect timeout; they take the data
+    # nodes' credentials (the local stack gives them the same ACL users).
+    asked = {k: v for k, v in options.items() if k in ("socket_timeout", "socket_connect_timeout")}
+    asked.update(credentials(settings))
+    if tls:
+        options = {**options, "ssl": True}
+    sentinel = sentinel_class(sentinels, sentinel_kwargs=asked, **options)
+    # NOTE: a pooled connection to the lost primary fails its next command once
+    # (callers treat that as any Redis error: a degraded decision, a retried
+    # write); the connection made next asks the Sentinels again.
+    return sentinel.master_for(service, db=db)

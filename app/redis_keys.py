@@ -182,7 +182,7 @@ def quality_joined_at_key(prefix: str) -> str:
 # --- ACL users ------------------------------------------------------------------
 
 #: The key patterns each role's Redis ACL user may touch (``%R~``: read only),
-#: from the key functions above. tools/stack.py ``start_redis(secure=True)``
+#: from the key functions above. tools/stack/ ``start_redis(secure=True)``
 #: creates these users (app/redis_acl.py adds their commands); SECURITY.md (*Redis users*) explains them.
 ACL_KEY_PATTERNS: dict[str, tuple[str, ...]] = {
     # Scores: reads features, writes velocity, the decision cache, its buckets,

@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     kafka_sasl_password: SecretStr | None = None
     kafka_sasl_password_file: Path | None = None
     """A file holding the SASL password (used when ``kafka_sasl_password`` is unset):
-    the secure local stack writes one per role (``tools/stack.py``)."""
+    the secure local stack writes one per role (``tools/stack/``)."""
 
     kafka_ssl: bool = False
     """Use TLS for the broker connection (CA: ``kafka_ssl_cafile``, else the system bundle)."""
@@ -192,6 +192,12 @@ class Settings(BaseSettings):
     topic_labels: str = "labels"
     partitions: int = 8
     """Partitions of ``transactions`` (and of ``decisions``): the unit of scaling."""
+
+    replication_factor: int = Field(0, ge=0)
+    """Replicas of each project topic when ``fraud-pipeline topics`` (or a worker)
+    creates it. 0: 3 on a cluster of 3 or more brokers (then also
+    ``min.insync.replicas=2``: a write is acknowledged by two brokers, and one
+    broker may be lost without stopping writes), 1 on a single broker."""
 
     consumer_fetch_max_wait_ms: int = 20
     """How long a fetch of the scoring consumer and of the gateway's reply

@@ -43,7 +43,11 @@ async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str
         try:
             await admin.start()
             existing = set(await admin.list_topics())
-            missing = [NewTopic(name, n, 1) for name, n in wanted.items() if name not in existing]
+            replicas = settings.replication_factor or (3 if len((await admin.describe_cluster())["brokers"]) >= 3 else 1)
+            # Two acknowledgements of three: a write survives the loss of its
+            # leader, and one broker down still leaves writes possible.
+            configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
+            missing = [NewTopic(name, n, replicas, topic_configs=configs) for name, n in wanted.items() if name not in existing]
             if missing:
                 try:
                     await admin.create_topics(missing)

@@ -444,9 +444,10 @@ def cmd_decision_key(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from tools import stack
+    from tools import cluster, stack
 
-    return stack.main([args.action, *(["--secure"] if args.secure else [])])
+    argv = [args.action, *(["--secure"] if args.secure else []), "--brokers", str(args.brokers)]
+    return stack.main(argv, cluster_cli=cluster.cli)
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -626,6 +627,8 @@ def _add_setup_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--secure", action="store_true",
                    help="up: SASL/SCRAM over TLS with per-role ACLs (SECURITY.md)")  # fmt: skip
+    p.add_argument("--brokers", type=int, default=1,
+                   help="3: a 3-node KRaft cluster and a Redis with replicas and Sentinels (tools/cluster.py)")  # fmt: skip
     p.set_defaults(func=cmd_stack)
 
 

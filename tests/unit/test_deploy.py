@@ -38,8 +38,13 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load(done.stdout)
 
 
+KAFKA_NODES = ("kafka-1", "kafka-2", "kafka-3")
+SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
+
+
 def test_services(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"kafka", "topics", "redis", "worker", "feedback", "gateway", "prometheus"}
+    assert set(compose["services"]) == {*KAFKA_NODES, "topics", "redis", "redis-replica-1", "redis-replica-2",
+                                        *SENTINELS, "worker", "feedback", "gateway", "prometheus"}  # fmt: skip
 
 
 def test_images_are_pinned(compose: dict[str, Any]) -> None:
@@ -51,14 +56,61 @@ def test_images_are_pinned(compose: dict[str, Any]) -> None:
     assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), "the Dockerfile's base image is not pinned"
 
 
-def test_kafka_is_one_kraft_node(compose: dict[str, Any]) -> None:
-    kafka = compose["services"]["kafka"]
-    assert kafka["image"].startswith("apache/kafka:")
-    env = kafka["environment"]
-    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
-    assert str(env["KAFKA_CONTROLLER_QUORUM_VOTERS"]).startswith(f"{env['KAFKA_NODE_ID']}@kafka:")
-    assert not any("zookeeper" in k.lower() or "zookeeper" in str(v) for k, v in env.items())
-    assert str(env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]).lower() == "false"  # topics come from app/topics.py
+def test_kafka_is_three_kraft_nodes_replicating_every_topic(compose: dict[str, Any]) -> None:
+    """Three voters that are brokers too; 3 replicas and 2 in sync for every topic,
+    the internal ones included; no unclean election; as the local cluster runs it."""
+    from tools.cluster import CLUSTER_CONFIG
+    from tools.stack import BROKER_CONFIG
+
+    services = compose["services"]
+    envs = [services[name]["environment"] for name in KAFKA_NODES]
+    assert sorted(str(env["KAFKA_NODE_ID"]) for env in envs) == ["1", "2", "3"]
+    voters = {str(env["KAFKA_CONTROLLER_QUORUM_VOTERS"]) for env in envs}
+    assert voters == {"1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"}
+    assert len({env["CLUSTER_ID"] for env in envs}) == 1
+    host_ports = set()
+    for name, env in zip(KAFKA_NODES, envs, strict=True):
+        assert services[name]["image"].startswith("apache/kafka:")
+        assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+        assert f"PLAINTEXT://{name}:9092" in env["KAFKA_ADVERTISED_LISTENERS"]
+        host_ports.add(env["KAFKA_ADVERTISED_LISTENERS"].rsplit(":", 1)[1])
+        assert not any("zookeeper" in k.lower() or "zookeeper" in str(v) for k, v in env.items())
+        assert str(env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]).lower() == "false"  # topics come from app/topics.py
+        for key, value in {**BROKER_CONFIG, **CLUSTER_CONFIG}.items():
+            if key in ("node.id", "listener.security.protocol.map"):  # per node; compose adds a host listener
+                continue
+            compose_key = "KAFKA_" + key.upper().replace(".", "_")
+            if compose_key in env:
+                assert str(env[compose_key]).lower() == value.lower(), f"{name}: {compose_key} differs from the local cluster"
+        for key in ("offsets.topic.replication.factor", "transaction.state.log.replication.factor",
+                    "transaction.state.log.min.isr", "default.replication.factor", "min.insync.replicas",
+                    "unclean.leader.election.enable"):  # fmt: skip
+            assert "KAFKA_" + key.upper().replace(".", "_") in env, f"{name}: {key} not stated"
+    assert len(host_ports) == 3  # tools on the host reach each node
+    assert set(services["topics"]["depends_on"]) == set(KAFKA_NODES)
+    assert services["worker"]["environment"]["FRAUD_REPLICATION_FACTOR"] == "3"
+
+
+def test_redis_is_a_primary_with_two_replicas_under_three_sentinels(compose: dict[str, Any]) -> None:
+    from app.redis_client import sentinel_target
+    from app.settings import Settings
+
+    services = compose["services"]
+    for name in ("redis-replica-1", "redis-replica-2"):
+        command = services[name]["command"]
+        assert command[command.index("--replicaof") + 1 :][:2] == ["redis", "6379"], name
+    url = services["worker"]["environment"]["REDIS_URL"]
+    sentinels, service, db, tls = sentinel_target(url)
+    assert [host for host, _ in sentinels] == list(SENTINELS) and db == 0 and not tls
+    for name in SENTINELS:
+        script = " ".join(services[name]["command"])
+        port = next(p for h, p in sentinels if h == name)
+        assert f"'port {port}'" in script
+        # Quorum 2 of 3: one Sentinel lost still fails over; one alone never does.
+        assert f"'sentinel monitor {service} redis 6379 2'" in script
+        assert "exec redis-sentinel /tmp/sentinel.conf" in script
+    # The URL is one the project's client factory takes (and not a Redis Cluster's).
+    assert Settings(redis_url=url).redis_url == url
 
 
 def test_topics_created_once_by_the_project_command_before_workers(compose: dict[str, Any]) -> None:
@@ -67,7 +119,8 @@ def test_topics_created_once_by_the_project_command_before_workers(compose: dict
     assert services["topics"]["restart"] == "no"
     for name in ("worker", "feedback", "gateway"):
         assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully", name
-        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
+        for sentinel in SENTINELS:  # Redis is reached through them
+            assert services[name]["depends_on"][sentinel]["condition"] == "service_healthy", name
 
 
 def test_workers_scale(compose: dict[str, Any]) -> None:
@@ -83,7 +136,8 @@ def test_workers_scale(compose: dict[str, Any]) -> None:
     assert worker["environment"]["FRAUD_WEB_HOST"] == "0.0.0.0"  # Prometheus scrapes it from another container
     assert str(port) in [str(p) for p in worker["expose"]]
     env = worker["environment"]
-    assert env["KAFKA_BOOTSTRAP"] == "kafka:9092" and env["REDIS_URL"].startswith("redis://redis:")
+    assert env["KAFKA_BOOTSTRAP"] == ",".join(f"{node}:9092" for node in KAFKA_NODES)
+    assert env["REDIS_URL"].startswith("redis+sentinel://")
     assert "FRAUD_CLIENT_KEYS" in env  # passed through from the shell
     assert f"127.0.0.1:{port}/metrics" in " ".join(worker["healthcheck"]["test"])
     # One image, built from this repository, for every service that runs the project's code.
@@ -177,6 +231,7 @@ def test_keda_matches_the_settings(compose: dict[str, Any]) -> None:
     # The scoring workers' group (agents/score.py), whose lag is what they have not decided.
     assert meta["consumerGroup"] == f"{settings.app_id}-score" and meta["topic"] == settings.topic_transactions
     assert meta["allowIdleConsumers"] == "false" and int(meta["lagThreshold"]) > 0
+    assert meta["bootstrapServers"] == compose["services"]["worker"]["environment"]["KAFKA_BOOTSTRAP"]
 
 
 def test_the_image_copies_every_package_the_project_installs() -> None:
@@ -200,3 +255,17 @@ def test_a_new_cluster_id_never_reads_as_an_option(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(stack.uuid, "uuid4", lambda: next(draws))
     cluster_id = stack.new_cluster_id()
     assert not cluster_id.startswith("-") and len(cluster_id) == 22
+
+
+def test_the_readme_says_the_topology_and_how_to_size_it() -> None:
+    """The topology table names what the compose file sets; sizing gives a method
+    and points at the measured figures rather than copying them."""
+    text = (DEPLOY / "README.md").read_text()
+    topology = text.split("## Topology", 1)[1].split("\n## ", 1)[0]
+    for needle in ("3 KRaft nodes", "min.insync.replicas=2", "acks=all", "unclean.leader.election.enable=false",
+                   "3 Sentinels", "redis+sentinel://"):  # fmt: skip
+        assert needle in topology, needle
+    sizing = text.split("## Sizing brokers and partitions for 5,000 TPS", 1)[1].split("\n## ", 1)[0]
+    assert "../docs/performance.md" in sizing and (REPO / "docs" / "performance.md").is_file()
+    for part in ("**Workers**", "**Partitions**", "**Broker CPU**", "**Redis**"):
+        assert part in sizing, part

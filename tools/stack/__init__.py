@@ -18,6 +18,10 @@ KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
 formatted on first start; topic data survives a restart of the broker, and
 retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).
 
+``up --brokers 3`` runs the replicated stack instead: three KRaft nodes and a
+Redis primary with two replicas and three Sentinels (``tools/cluster.py``, its
+own state dir); ``status --brokers 3`` / ``down --brokers 3`` act on it.
+
 ``up --secure`` runs the broker with TLS, SASL/SCRAM-SHA-512 users per role and
 ACLs (``tools/kafka_secure.py``, ``tools/kafka_acls.py``, SECURITY.md) and Redis
 with ACL users per role, in its own state dir (``.stack/secure``: a plaintext
@@ -109,7 +113,7 @@ _REUSE_TIMEOUT_S = 3.0
 _LOG_TAIL_LINES = 20
 
 #: Where ``make setup`` puts the broker's class path (``deploy/kafka/pom.xml``).
-KAFKA_LIB_DIR = Path(__file__).resolve().parents[1] / ".kafka" / "lib"
+KAFKA_LIB_DIR = Path(__file__).resolve().parents[2] / ".kafka" / "lib"
 #: Heap for a 2-core machine shared with the workers, Redis and the load generator.
 BROKER_HEAP = ("-Xms256m", "-Xmx768m")
 
@@ -154,6 +158,14 @@ BROKER_CONFIG: dict[str, str] = {
     # for such transactions every 10 s by default, so the stall was 10-20 s; a
     # restarted worker fences its own at once (its transactional id is stable).
     "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+    # A broker restarted after a kill -9 cannot register until the controller
+    # has expired its dead incarnation's session (DUPLICATE_BROKER_REGISTRATION,
+    # retried with a doubling backoff): with the default 9 s session that was
+    # 13 of the 18 s between the restart and the first answer. On a cluster the
+    # same timeout is how soon a dead broker is fenced and loses its
+    # leaderships. Defaults 9 s / 2 s heartbeats.
+    "broker.session.timeout.ms": "3000",
+    "broker.heartbeat.interval.ms": "500",
 }
 
 _BROKER_LOG4J = """\
@@ -217,7 +229,16 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # it exists, owned by another user
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process that its parent (another process) has not reaped yet: gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (macOS), or it was just reaped
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:
@@ -576,7 +597,9 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = ()) -> None:
+def _format_log_dir(
+    jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = (), cluster_id: str | None = None
+) -> None:
     """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
     ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
     are never written to the log).
@@ -587,8 +610,8 @@ def _format_log_dir(jvm: Sequence[str], config: Path, log_path: Path, extra: Seq
     The launcher expands ``@`` files only up to the main class, so the class is in
     the file too.
     """
-    cluster_id = new_cluster_id()
-    argfile = log_path.parent / "format.args"
+    cluster_id = cluster_id or new_cluster_id()
+    argfile = config.parent / "format.args"
     arguments = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra]
     _write_private(argfile, "".join(_java_argfile_quote(a) + "\n" for a in arguments))
     try:
@@ -610,39 +633,53 @@ def _java_argfile_quote(argument: str) -> str:
 
 
 def start_redis(
-    port: int | None = None, workdir: Path = DEFAULT_STATE_DIR, *, secure: bool = False
+    port: int | None = None,
+    workdir: Path = DEFAULT_STATE_DIR,
+    *,
+    secure: bool = False,
+    name: str = "redis",
+    config: Path | None = None,
+    program: str | None = None,
 ) -> ServiceHandle:
     """Start redis-server on 127.0.0.1:``port`` (a free one if None); return once it answers PING.
 
-    No persistence: every start is empty. Logs to ``workdir/redis.log``. The handle's
+    No persistence: every start is empty. Logs to ``workdir/<name>.log``. The handle's
     ``url`` is ``redis://127.0.0.1:PORT/0``.
 
     ``secure``: ACL users instead of the open ``default`` user (switched off): one
     per role of ``app.redis_keys.ACL_KEY_PATTERNS`` (worker, gateway, materialize)
     and ``admin`` (everything: tests, operators). Each gets a fresh random password
     in ``redis_password_path(workdir, role)`` (0600), for ``FRAUD_REDIS_USERNAME`` +
-    ``FRAUD_REDIS_PASSWORD_FILE``. The handle's ``url`` then carries the admin's
-    credentials.
+    ``FRAUD_REDIS_PASSWORD_FILE``; a ``workdir/users.acl`` written before (the
+    replicated Redis's nodes share one) is kept. The handle's ``url`` then carries
+    the admin's credentials.
+
+    ``config``: a config file read first (replication settings: ``tools/redis_ha.py``);
+    ``program``: another binary (``redis-sentinel``).
     """
     port = port or free_port()
-    _ensure_port_free(port, "redis")
+    _ensure_port_free(port, name)
     workdir.mkdir(parents=True, exist_ok=True)
     argv = [
-        _redis_binary(),
+        program or _redis_binary(),
+        *([str(config.resolve())] if config is not None else []),
         "--port", str(port),
         "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
         "--daemonize", "no",
         "--dir", str(workdir.resolve()),
     ]  # fmt: skip
+    if program is None:
+        argv += ["--save", "", "--appendonly", "no"]
     url = f"redis://127.0.0.1:{port}/0"
     if secure:
         acl_file = workdir / "users.acl"
-        admin = _write_acl(acl_file, workdir)
-        argv += ["--aclfile", str(acl_file.resolve())]
+        admin_file = redis_password_path(workdir, "admin")
+        admin = admin_file.read_text().strip() if acl_file.exists() and admin_file.exists() and name != "redis" else ""
+        admin = admin or _write_acl(acl_file, workdir)
+        if program is None:  # a Sentinel takes its users from its config file
+            argv += ["--aclfile", str(acl_file.resolve())]
         url = f"redis://admin:{admin}@127.0.0.1:{port}/0"
-    handle = _spawn("redis", argv, url, workdir / "redis.log")
+    handle = _spawn(name, argv, url, workdir / f"{name}.log")
     return _ready_or_stopped(handle, wait_redis_ready)
 
 
@@ -664,7 +701,8 @@ def _write_acl(acl_file: Path, workdir: Path) -> str:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(password + "\n")
-        rules = "resetchannels ~* +@all" if role == "admin" else acl_rule(role)
+        # admin's channels: the Sentinels (as admin) talk through __sentinel__:hello.
+        rules = "resetchannels &__sentinel__:* ~* +@all" if role == "admin" else acl_rule(role)
         digest = hashlib.sha256(password.encode()).hexdigest()
         lines.append(f"user {role} on #{digest} {rules}")
         if role == "admin":
@@ -940,8 +978,12 @@ def _read_env(path: Path) -> dict[str, str]:
 # --- CLI ---------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tools.stack up|down|status|env``; ``up`` and ``env`` print ``export`` lines for ``eval``."""
+def main(argv: Sequence[str] | None = None, cluster_cli: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """``python -m tools.stack up|down|status|env``; ``up`` and ``env`` print ``export`` lines for ``eval``.
+
+    ``cluster_cli``: what runs ``--brokers 3`` (``tools.cluster.cli``; passed in by
+    ``python -m tools.stack`` and the CLI, since tools.cluster builds on this module).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m tools.stack", description=__doc__.splitlines()[0]
     )
@@ -952,22 +994,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{DEFAULT_SECURE_STATE_DIR} unless --state-dir",
     )  # fmt: skip
     parser.add_argument(
+        "--brokers", type=int, default=1,
+        help="1: one Kafka node and one Redis; 3 (or more): a KRaft cluster (3 replicas, min ISR 2) and a Redis "
+        "primary with 2 replicas and 3 Sentinels (tools/cluster.py), state in .stack/cluster[-secure]",
+    )  # fmt: skip
+    parser.add_argument(
         "--state-dir", type=Path, help=f"PID, log and env files (default {DEFAULT_STATE_DIR})"
     )
-    parser.add_argument("--broker-port", type=int, default=DEFAULT_BROKER_PORT, help="up: the broker's port")
-    parser.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT, help="up: Redis's port")
+    parser.add_argument("--broker-port", type=int, help=f"up: the broker's port (default {DEFAULT_BROKER_PORT}; "
+                        "a cluster's first node: 29092, the next ones 2 ports apart)")  # fmt: skip
+    parser.add_argument("--redis-port", type=int, help=f"up: Redis's port (default {DEFAULT_REDIS_PORT}; "
+                        "a cluster's first Redis node: 29379)")  # fmt: skip
     parser.add_argument("--kafka-user", help="env: the process's SCRAM user on the secure broker")
     parser.add_argument("--redis-user", help="env: the process's ACL user on the secure Redis")
     args = parser.parse_args(argv)
-    state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
     # Messages to stderr, so stdout of `up` stays fit for eval.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # The client library's own INFO lines ("Authenticated as admin ...") are noise here.
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    if args.brokers == 2 or args.brokers < 1:
+        print("error: --brokers is 1 or at least 3 (3 replicas with min.insync.replicas=2)", file=sys.stderr)
+        return 2
     try:
+        if args.brokers >= 3:
+            if cluster_cli is None:
+                raise StackError("--brokers 3 runs through `python -m tools.stack` (tools/cluster.py)")
+            return cluster_cli(args)
+        state_dir: Path = args.state_dir or (DEFAULT_SECURE_STATE_DIR if args.secure else DEFAULT_STATE_DIR)
         if args.command == "up":
             return _cmd_up(
-                state_dir, secure=args.secure, broker_port=args.broker_port, redis_port=args.redis_port,
+                state_dir, secure=args.secure, broker_port=args.broker_port or DEFAULT_BROKER_PORT,
+                redis_port=args.redis_port or DEFAULT_REDIS_PORT,
                 other=None if args.state_dir else (DEFAULT_STATE_DIR if args.secure else DEFAULT_SECURE_STATE_DIR),
             )  # fmt: skip
         if args.command == "env":
@@ -1036,6 +1093,3 @@ _COMMANDS: dict[str, Callable[[Path], int]] = {
     "status": _cmd_status,
 }
 
-
-if __name__ == "__main__":
-    sys.exit(main())

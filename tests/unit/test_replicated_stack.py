@@ -1,0 +1,86 @@
+"""The replicated stack's pieces that need no server: Sentinel URLs, the clients
+built from them, and the cluster nodes' configuration."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from app.errors import ConfigError
+from app.redis_client import async_client, is_cluster, is_sentinel, sentinel_target, sync_client
+from app.settings import Settings
+from tools import cluster
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis+sentinel://a:26379,b:26380,c:26381/fraud/0", ([("a", 26379), ("b", 26380), ("c", 26381)], "fraud", 0, False)),
+        ("redis+sentinel://127.0.0.1:1/svc/3", ([("127.0.0.1", 1)], "svc", 3, False)),
+        ("rediss+sentinel://s1,s2/fraud", ([("s1", 26379), ("s2", 26379)], "fraud", 0, True)),
+    ],
+)
+def test_sentinel_urls(url: str, expected: tuple[object, ...]) -> None:
+    assert sentinel_target(url) == expected
+    assert is_sentinel(Settings(redis_url=url)) and not is_cluster(Settings(redis_url=url))
+
+
+@pytest.mark.parametrize("url", ["redis+sentinel:///fraud/0", "redis+sentinel://a:1", "redis+sentinel://a:x/fraud/0",
+                                 "redis+sentinel://a:1/fraud/zero"])  # fmt: skip
+def test_a_bad_sentinel_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError):
+        sentinel_target(url)
+
+
+def test_the_sync_client_asks_the_sentinels_with_the_data_nodes_credentials(tmp_path: Path) -> None:
+    secret = tmp_path / "worker.password"
+    secret.write_text("s3cret\n")
+    settings = Settings(redis_url="redis+sentinel://h1:1,h2:2/fraud/2", redis_username="worker",
+                        redis_password_file=secret)  # fmt: skip
+    client = sync_client(settings, timeout_s=0.5)
+    pool = client.connection_pool
+    assert pool.service_name == "fraud" and pool.connection_kwargs["db"] == 2
+    assert (pool.connection_kwargs["username"], pool.connection_kwargs["password"]) == ("worker", "s3cret")
+    [first, second] = pool.sentinel_manager.sentinels
+    kwargs = first.connection_pool.connection_kwargs
+    assert (kwargs["host"], kwargs["port"], second.connection_pool.connection_kwargs["port"]) == ("h1", 1, 2)
+    assert (kwargs["username"], kwargs["password"], kwargs["socket_timeout"]) == ("worker", "s3cret", 0.5)
+    client.close()
+
+
+def test_the_async_client_keeps_the_pool_bound() -> None:
+    async def build() -> tuple[object, ...]:
+        client = async_client(Settings(redis_url="redis+sentinel://h1:1/fraud/0", redis_pool_size=5))
+        pool = client.connection_pool
+        out = (pool.service_name, pool.max_connections, pool.connection_kwargs["socket_timeout"])
+        await client.aclose()
+        return out
+
+    assert asyncio.run(build()) == ("fraud", 5, Settings().redis_timeout_s)
+
+
+def test_cluster_ports_and_node_config(tmp_path: Path) -> None:
+    layout = cluster.Cluster.at(3, 29092, 29379)
+    assert layout.nodes == ((29092, 29093), (29094, 29095), (29096, 29097))
+    assert layout.bootstrap == "127.0.0.1:29092,127.0.0.1:29094,127.0.0.1:29096"
+    assert layout.redis_url == "redis+sentinel://127.0.0.1:29479,127.0.0.1:29480,127.0.0.1:29481/fraud/0"
+    config = cluster._write_node_config(tmp_path, 2, layout, secure=False)
+    props = dict(line.split("=", 1) for line in config.read_text().splitlines())
+    assert props["node.id"] == "2" and props["process.roles"] == "broker,controller"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:29093,2@127.0.0.1:29095,3@127.0.0.1:29097"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:29094,CONTROLLER://127.0.0.1:29095"
+    assert (props["min.insync.replicas"], props["default.replication.factor"]) == ("2", "3")
+    assert (props["offsets.topic.replication.factor"], props["transaction.state.log.replication.factor"],
+            props["transaction.state.log.min.isr"]) == ("3", "3", "2")  # fmt: skip
+    assert props["unclean.leader.election.enable"] == "false"
+    assert props["log.dirs"] == str(tmp_path / "node-2" / "kafka-logs")
+
+
+def test_two_brokers_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Three replicas with two in sync need three brokers; one is the single stack."""
+    from tools import stack
+
+    assert stack.main(["status", "--brokers", "2"]) == 2
+    assert "--brokers is 1 or at least 3" in capsys.readouterr().err

@@ -1,0 +1,12 @@
+"""``python -m tools.stack``: the single stack, or with ``--brokers 3`` the cluster.
+
+Here and not in ``tools/stack/__init__.py``: ``tools.cluster`` builds on that
+module, so the module cannot import it back.
+"""
+
+import sys
+
+from tools import cluster
+from tools.stack import main
+
+sys.exit(main(cluster_cli=cluster.cli))
