@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 __all__ = ["ExactlyOnce", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
 
@@ -61,18 +61,6 @@ COMMIT_RETRIES = 3
 
 #: (topic, key, value, headers): one record to produce.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
-
-
-class Message(Protocol):
-    """What the scoring path reads of a consumed record (librdkafka's ``Message``)."""
-
-    def value(self) -> bytes | None: ...
-    def key(self) -> bytes | None: ...
-    def headers(self) -> list[tuple[str, bytes]] | None: ...
-    def timestamp(self) -> tuple[int, int]: ...
-    def partition(self) -> int: ...
-    def offset(self) -> int: ...
-    def error(self) -> Any: ...
 
 
 @dataclass
@@ -187,8 +175,7 @@ class ExactlyOnce:
         #: What this worker committed last per partition (next offset to read).
         self.committed_offsets: dict[int, int] = {}
         self.generation = 0
-        #: Called (on the client thread) with the partitions assigned / revoked.
-        self.on_assigned: Callable[[set[int]], None] = lambda _: None
+        #: Called (on the client thread) with the partitions revoked.
         self.on_revoked: Callable[[set[int]], None] = lambda _: None
         #: Called with how long each commit took (client thread).
         self.on_commit_seconds: Callable[[float], None] = lambda _: None
@@ -240,7 +227,6 @@ class ExactlyOnce:
         numbers = {tp.partition for tp in partitions}
         self.assigned = numbers
         log.info("assigned partitions %s of %s", sorted(numbers), self.topic)
-        self.on_assigned(numbers)
 
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
         # The open transaction holds records of these partitions: it ends

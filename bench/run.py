@@ -105,9 +105,9 @@ SIMULATE_ARGS = ("--users", "2000", "--merchants", "4000", "--days", "45")
 #: trained on DATA). NOTE: sized for the rates measured: with make simulate's
 #: 2,000 users, 2,000 TPS is every user paying once a second, and each
 #: decision's velocity window held the card's last hundreds of payments: the
-#: bench measured a card-testing attack on every card, not traffic. 50,000
-#: users at 2,000 TPS pay ~3 times an hour each over a run; a card still
-#: reaches the velocity cap (pipeline/feature_defs.py) within a few minutes.
+#: bench measured a card-testing attack on every card, not traffic. With 50,000
+#: users, 2,000 TPS is each paying every 25 s: still far above real cards, so
+#: a busy card reaches the velocity cap (pipeline/feature_defs.py) in minutes.
 POPULATION = REPO / "data" / "bench-population.parquet"
 POPULATION_ARGS = ("--users", "50000", "--merchants", "20000", "--days", "20")
 

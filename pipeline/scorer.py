@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -33,6 +33,7 @@ import numpy as np
 import orjson
 
 from app.contract import Decision, Transaction
+from app.eos import Record
 from app.redis_keys import content_hash
 from pipeline.admission import Admission
 from pipeline.auth import UNSIGNED, AuthResult
@@ -92,54 +93,14 @@ class BatchOutput:
     outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
     """Decisions produced, by (action, cached)."""
     to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
-    cache_origins: list[int | None] = field(default_factory=list)
-    """The input partition of each ``to_cache`` entry (index for index)."""
     extra_monitoring: list[bytes] = field(default_factory=list)
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
     shadow: _ShadowWork | None = None
     """The shadow model's share of this batch, done by :meth:`Scorer.finish`."""
-    origins: dict[str, list[int | None]] = field(
-        default_factory=lambda: {"decisions": [], "dead_letters": [], "feedback": []}
-    )
-    """Per list above, the input partition each record came from (index for
-    index): the agent commits each partition's records with its offsets."""
 
-    def cacheable(self, committed: Collection[int]) -> list[tuple[Transaction, dict[str, Any]]]:
-        """The decisions to store for resends: only those whose input partition
-        committed. A fenced partition's decisions were never visible; caching
-        them would answer its new owner's first decision as a resend."""
-        return [
-            entry for entry, origin in zip(self.to_cache, self.cache_origins) if origin is None or origin in committed
-        ]
-
-    def add(self, kind: str, origin: Inbound, key: bytes | None, value: bytes) -> None:
-        """Append to ``decisions``, ``dead_letters`` or ``feedback``, noting where it came from."""
+    def add(self, kind: str, key: bytes | None, value: bytes) -> None:
+        """Append to ``decisions``, ``dead_letters`` or ``feedback``."""
         getattr(self, kind).append((key, value))
-        self.origins[kind].append(origin.partition)
-
-    def records_by_partition(
-        self, topics: dict[str, str], default: int, sign: Signs | None = None
-    ) -> dict[int, list[Record]]:
-        """Every record to produce as (topic, key, value, headers), grouped by input
-        partition (``default`` for records of unknown origin); ``topics`` maps
-        ``decisions``/``dead_letters``/``feedback``/``monitoring`` to topic names.
-        The batch's monitoring records go with the ``default`` partition.
-
-        ``sign`` (the worker's :class:`~pipeline.decision_signing.DecisionSigner`)
-        gives each decision its signature headers: here its value bytes are
-        final, and this is called once per batch (a retried transaction resends
-        the same records), so each decision is signed exactly once."""
-        out: dict[int, list[Record]] = {}
-        for kind in ("decisions", "dead_letters", "feedback"):
-            signing = sign if kind == "decisions" else None
-            for origin, (key, value) in zip(self.origins[kind], getattr(self, kind), strict=True):
-                headers = signing.headers(value) if signing is not None else []
-                out.setdefault(default if origin is None else origin, []).append((topics[kind], key, value, headers))
-        extra = [orjson.dumps(self.monitoring)] if self.monitoring is not None else []
-        for value in extra + self.extra_monitoring:
-            out.setdefault(default, []).append((topics["monitoring"], None, value, []))
-        return out
-
 
     def records(self, topics: dict[str, str], sign: Signs | None = None) -> list[Record]:
         """Every record to produce, as (topic, key, value, headers), in one list:
@@ -164,8 +125,6 @@ class Signs(Protocol):
     def headers(self, value: bytes) -> list[tuple[str, bytes]]: ...
 
 
-#: (topic, key, value, headers): one record to produce.
-Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
 
 
 @dataclass
@@ -448,14 +407,13 @@ class Scorer:
             )
             record = decision.to_dict()
             records.append(record)
-            out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
+            out.add("decisions", tx.transaction_id.encode(), orjson.dumps(record))
             out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, record))
-            out.cache_origins.append(msg.partition)
             row = evidence.rows[i] if evidence.rows else None
             doc = self._feedback(tx, record, row, draft.rule, draft.tally)
             feedback_docs.append(doc)
-            out.add("feedback", msg, tx.transaction_id.encode(), orjson.dumps(doc))
+            out.add("feedback", tx.transaction_id.encode(), orjson.dumps(doc))
             stats[action] += 1
             stats["degraded"] += score is None
             stats["provisional"] += tx.transaction_id in unchecked
@@ -619,7 +577,7 @@ class Scorer:
             correlation_id=msg.correlation_id,
             latency_ms=self._latency(msg, clock, self.wall_clock()),
         )
-        out.add("decisions", msg, tx.transaction_id.encode(), orjson.dumps(record))
+        out.add("decisions", tx.transaction_id.encode(), orjson.dumps(record))
         out.outcomes[(str(record.get("action")), True)] += 1
 
     async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
@@ -659,12 +617,9 @@ class Scorer:
                 decided_at=now,
                 error=why.to_dict(),
             )
-            out.add("decisions", msg, why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
+            out.add("decisions", why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
             out.outcomes[("reject", False)] += 1
-        out.add(
-            "dead_letters",
-            msg,
-            why.transaction_id.encode() if why.transaction_id else None,
+        out.add("dead_letters", why.transaction_id.encode() if why.transaction_id else None,
             orjson.dumps(
                 {
                     "error": why.to_dict(),

@@ -22,7 +22,7 @@ from pipeline.decision_signing import (
     write_private_key,
     write_public_keys,
 )
-from pipeline.scorer import BatchOutput, Inbound
+from pipeline.scorer import BatchOutput
 
 VALUE = orjson.dumps({"transaction_id": "t-1", "action": "approve", "correlation_id": "c-1"})
 
@@ -123,15 +123,14 @@ def test_each_decision_is_signed_over_its_final_bytes_and_nothing_else_is() -> N
     signer = DecisionSigner.generate()
     verifier = DecisionVerifier([signer.public_key])
     out = BatchOutput()
-    origin = Inbound(value=b"{}", partition=0, offset=1)
-    out.add("decisions", origin, b"t-1", VALUE)
-    out.add("dead_letters", origin, None, b"{}")
+    out.add("decisions", b"t-1", VALUE)
+    out.add("dead_letters", None, b"{}")
     topics = {"decisions": "d", "dead_letters": "dlq", "feedback": "f", "monitoring": "m"}
-    records = out.records_by_partition(topics, 0, signer)[0]
+    records = out.records(topics, signer)
     (decision,) = [r for r in records if r[0] == "d"]
     assert verifier.verify(decision[2], dict(decision[3])) == signer.key_id
     assert all(r[3] == [] for r in records if r[0] != "d")
-    assert all(r[3] == [] for r in out.records_by_partition(topics, 0)[0])  # no signer: no headers
+    assert all(r[3] == [] for r in out.records(topics))  # no signer: no headers
 
 
 def test_the_gateway_answers_only_with_verified_decisions() -> None:

@@ -710,7 +710,7 @@ def test_a_stale_local_entry_goes_to_the_shared_cache(world: World) -> None:
     assert asyncio.run(cache.get_many([tx])) == [UNCHECKED]
 
 
-def test_records_are_grouped_by_the_partition_they_came_from(world: World, ensemble: Any) -> None:
+def test_every_outcome_becomes_one_record_on_its_topic(world: World, ensemble: Any) -> None:
     scorer = make_scorer(world, ensemble)
     batch = [
         Inbound(value=orjson.dumps(world.tx(i)), timestamp=world.now, partition=i % 3, offset=i) for i in range(6)
@@ -718,15 +718,14 @@ def test_records_are_grouped_by_the_partition_they_came_from(world: World, ensem
     out = score(scorer, batch)
     topics = {"decisions": "d", "dead_letters": "dlq", "feedback": "f", "monitoring": "m"}
 
-    grouped = out.records_by_partition(topics, default=0)
+    records = out.records(topics)
 
-    assert sorted(grouped) == [0, 1, 2]
-    for partition, records in grouped.items():
-        ids = {orjson.loads(v)["transaction_id"] for t, _, v, _ in records if t == "d"}
-        assert ids == {orjson.loads(m.value)["transaction_id"] for m in batch[:6] if m.partition == partition}
-    assert [t for t, _, _, _ in grouped[2]].count("dlq") == 1  # the bad record's dead letter stays with its partition
-    assert [t for t, _, _, _ in grouped[0]].count("m") == 1  # the batch's monitoring record, once
-    assert sum(len(r) for r in grouped.values()) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1
+    decided = [orjson.loads(v)["transaction_id"] for t, _, v, _ in records if t == "d"]
+    assert sorted(decided) == sorted(orjson.loads(m.value)["transaction_id"] for m in batch[:6])
+    assert [t for t, _, _, _ in records].count("dlq") == 1  # the unreadable record: a dead letter only
+    assert [t for t, _, _, _ in records].count("f") == 6  # a feedback record per decision
+    assert [t for t, _, _, _ in records].count("m") == 1  # the batch's monitoring record, once
+    assert len(records) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1
 
 
 # --- what the review endpoint serves, against its OpenAPI schema ----------------
