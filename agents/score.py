@@ -285,7 +285,7 @@ class ScoringLoop:
         if seq is None:
             return None  # taken before a rebalance: it comes again
         # A resend in a later batch of this transaction finds its first decision here.
-        _hold(self.scorer.cache, output.to_cache)
+        self.scorer.cache.hold(output.to_cache)  # LocalFirstCache: what a worker builds
         self.pending.setdefault(seq, []).append((inbound, output, started))
         return output
 
@@ -299,7 +299,7 @@ class ScoringLoop:
             else:
                 log.warning("%d batch(es) not committed (%s): their records are decided again", len(batches), outcome)
                 for _, output, _ in batches:
-                    _release(self.scorer.cache, output.to_cache)
+                    self.scorer.cache.release(output.to_cache)
 
     def _cache_later(self, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
         if decisions:
@@ -328,18 +328,6 @@ async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[s
             await asyncio.wait_for(scorer.cache.put_many(decisions), CACHE_WRITE_TIMEOUT_S)
         except Exception as exc:
             log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
-
-
-def _hold(cache: Any, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
-    hold = getattr(cache, "hold", None)  # LocalFirstCache (what a worker builds)
-    if hold is not None and decisions:
-        hold(decisions)
-
-
-def _release(cache: Any, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
-    release = getattr(cache, "release", None)
-    if release is not None and decisions:
-        release(decisions)
 
 
 def _inbound(msg: Any) -> Inbound:

@@ -121,7 +121,6 @@ def _signer(settings: Settings) -> Any:
 
 async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     load = _LoadRun(cfg)
-    await load.connect()
     try:
         await load.follow_decisions()
         sent, send_s = await load.drive()
@@ -186,9 +185,6 @@ class _LoadRun:
         self.received_ms: list[float] = []  # their latencies, when cfg.record_decisions
         self.done_sending = asyncio.Event()
         self.t_start = 0.0
-
-    async def connect(self) -> None:
-        pass  # librdkafka connects on first use
 
     async def close(self) -> None:
         await self._call(self.producer.flush, 10.0)
