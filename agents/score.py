@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -54,7 +55,7 @@ from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
 from pipeline.validate import Limits
 
-__all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "scoring_group"]
+__all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "freeze_startup_heap", "scoring_group"]
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,7 @@ class Runtime:
         log.info("serving model %s with rules %s; producers: %r", model.version, rules.version, keys)
         return cls(settings, rules, model, keys, load_decision_signer(settings))
 
-    def build_scorer(
-        self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None
-    ) -> Scorer:
+    def build_scorer(self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None) -> Scorer:
         """Redis clients need the running loop: call this inside the agent."""
         s = self.settings
         client = redis_client.async_client(s)  # one server or a Redis Cluster
@@ -186,6 +185,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             log.info(
                 "scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id
             )
+            freeze_startup_heap()
             await loop.run()
         except asyncio.CancelledError:
             raise
@@ -254,6 +254,7 @@ class ScoringLoop:
         self.interval_s = settings.commit_interval_s
         #: Per open (or just settled) transaction, the batches sent in it.
         self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
+        self._last_take = time.monotonic()
 
     async def run(self) -> None:
         while True:
@@ -261,11 +262,18 @@ class ScoringLoop:
 
     async def step(self) -> None:
         """One batch (or none, after ``FRAUD_BATCH_WINDOW_S``), then a commit when one is due."""
-        wait = self.window_s
+        now = time.monotonic()
+        # The window counts from the last take: what arrived while the last
+        # batch was scored and committed has waited already, and is taken at
+        # once (a busy worker batches what queued up, an idle one waits up to
+        # the window to fill a batch). NOTE: a full window from each take added
+        # its 10 ms to every decision at every rate (docs/performance.md).
+        wait = max(0.0, self.window_s - (now - self._last_take))
         opened = self.stream.open_since
         if opened is not None:
-            wait = max(0.0, min(wait, opened + self.interval_s - time.monotonic()))
+            wait = max(0.0, min(wait, opened + self.interval_s - now))
         batch = await self.stream.take(self.batch_size, wait)
+        self._last_take = time.monotonic()
         if batch.messages:
             await self.handle(batch)
         opened = self.stream.open_since
@@ -301,7 +309,7 @@ class ScoringLoop:
                 for _, output, _ in batches:
                     self.scorer.cache.release(output.to_cache)
 
-    def _cache_later(self, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+    def _cache_later(self, decisions: list[tuple[Transaction, bytes]]) -> None:
         if decisions:
             task = asyncio.ensure_future(_write_cache(self.scorer, decisions))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -312,13 +320,29 @@ class ScoringLoop:
             self.settle(await self.stream.commit())
 
 
+def freeze_startup_heap() -> None:
+    """Leave what start-up built (modules, the model, faust, the clients) out
+    of every later garbage collection.
+
+    NOTE: a full collection walks every tracked object; the ~200,000 that
+    start-up leaves behind made each one a pause of 60-180 ms on the scoring
+    loop under load (docs/performance.md), all of it for objects that live
+    as long as the process. ``gc.freeze`` moves them to a generation the
+    collector never visits; what the worker allocates later is collected as
+    before.
+    """
+    gc.collect()
+    gc.freeze()
+    log.debug("%d start-up objects left out of garbage collection", gc.get_freeze_count())
+
+
 def scoring_group(settings: Settings) -> str:
     """The consumer group of the scoring workers (faust's own group, ``app_id``,
     reads the labels for the merchant tally)."""
     return f"{settings.app_id}-score"
 
 
-async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, dict[str, Any]]]) -> None:
+async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, bytes]]) -> None:
     if decisions:
         # NOTE: not awaited by the loop: the decisions are held in this
         # worker's local cache from the moment they were sent (a resend in a

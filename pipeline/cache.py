@@ -54,12 +54,15 @@ class _Unchecked:
 
 UNCHECKED: Any = _Unchecked()
 
+
 class DecisionCache(Protocol):
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
         """Per transaction: its earlier decision, None (none), or :data:`UNCHECKED`; may raise."""
         ...
 
-    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None: ...
+    async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
+        """Store each transaction's decision, given as the record's JSON bytes as sent."""
+        ...
 
 
 #: Store a batch's decisions in one command: SET key value EX ttl NX for each
@@ -97,22 +100,20 @@ class RedisDecisionCache:
             out.append(orjson.loads(raw) if raw else None)
         return out
 
-    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+    async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         if not items:
             return
         if not self._cluster:
             keys: list[str] = []
             args: list[Any] = [self.ttl_s]
-            for tx, decision in items:
-                blob = orjson.dumps(decision)
+            for tx, blob in items:
                 keys += decision_keys(tx)
                 args.append(blob)
             # NX: the first decision stands; a racing re-score cannot replace it.
             await self._put_many(keys=keys, args=args)
             return
         pipe = self._client.pipeline(transaction=False)
-        for tx, decision in items:
-            blob = orjson.dumps(decision)
+        for tx, blob in items:
             for key in decision_keys(tx):
                 # NX: the first decision stands; a racing re-score cannot replace it.
                 pipe.set(key, blob, ex=self.ttl_s, nx=True)
@@ -131,15 +132,15 @@ class InMemoryDecisionCache:
             hit, value = self._items.get(by_id, now)
             if not hit:
                 hit, value = self._items.get(by_hash, now)
-            out.append(value if hit else None)
+            out.append(orjson.loads(value) if hit else None)
         return out
 
-    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+    async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         now = time.monotonic()
-        for tx, decision in items:
+        for tx, blob in items:
             for key in decision_keys(tx):
                 if not self._items.get(key, now)[0]:
-                    self._items.put(key, decision, now)
+                    self._items.put(key, blob, now)
 
 
 class LocalFirstCache:
@@ -167,7 +168,12 @@ class LocalFirstCache:
         self.wait_s = wait_s
         self.retry_every_s = retry_every_s
         self._clock = clock
-        self._items: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        # NOTE: decisions kept as the bytes sent, not as dicts: a dict is
+        # several objects the garbage collector walks in every full
+        # collection, and 40,000 of them made those collections pauses of
+        # 60-180 ms on the scoring loop (docs/performance.md). Bytes are
+        # never tracked; a hit (a resend) pays one parse.
+        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self.unchecked = 0
         """Lookups left unchecked so far (the worker's metrics read it)."""
 
@@ -175,7 +181,8 @@ class LocalFirstCache:
         for key in decision_keys(tx):
             item = self._items.get(key)
             if item is not None and item[0] > now:
-                return item[1]
+                decision: dict[str, Any] = orjson.loads(item[1])
+                return decision
         return None
 
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
@@ -201,26 +208,26 @@ class LocalFirstCache:
             self.unchecked += hit is UNCHECKED
         return out
 
-    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+    async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         self.hold(items)
         await self.shared.put_many(items)
 
-    def hold(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+    def hold(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         """Store locally only: decisions sent in a transaction not yet committed,
         so that a resend in a later batch of it is answered with them."""
         expires = self._clock() + self.ttl_s
-        for tx, decision in items:
+        for tx, blob in items:
             for key in decision_keys(tx):
                 if key not in self._items:  # the first decision stands, as in Redis (NX)
-                    self._items[key] = (expires, decision)
+                    self._items[key] = (expires, blob)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def release(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+    def release(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         """Forget held decisions whose transaction did not commit: they never
         became visible, and their records will be decided again."""
-        for tx, decision in items:
+        for tx, blob in items:
             for key in decision_keys(tx):
                 held = self._items.get(key)
-                if held is not None and held[1] is decision:
+                if held is not None and held[1] is blob:
                     del self._items[key]

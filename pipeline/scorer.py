@@ -57,7 +57,9 @@ DLQ_PREFIX_BYTES = 4096
 MAX_DLQ_HEADERS = 64
 MAX_HEADER_NAME = 256
 SCORE_BINS = np.linspace(0.0, 1.0, 11)
-PROVISIONAL_REASON = "provisional: the decision cache could not be read, so a resend could not be ruled out (never approves)"
+PROVISIONAL_REASON = (
+    "provisional: the decision cache could not be read, so a resend could not be ruled out (never approves)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,8 @@ class BatchOutput:
     serialized where it is produced, read as it is by the worker's metrics."""
     outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
     """Decisions produced, by (action, cached)."""
-    to_cache: list[tuple[Transaction, dict[str, Any]]] = field(default_factory=list)
+    to_cache: list[tuple[Transaction, bytes]] = field(default_factory=list)
+    """Each new decision with its record's bytes as sent: what the resend cache keeps."""
     extra_monitoring: list[bytes] = field(default_factory=list)
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
     shadow: _ShadowWork | None = None
@@ -123,8 +126,6 @@ class BatchOutput:
 
 class Signs(Protocol):
     def headers(self, value: bytes) -> list[tuple[str, bytes]]: ...
-
-
 
 
 @dataclass
@@ -407,9 +408,10 @@ class Scorer:
             )
             record = decision.to_dict()
             records.append(record)
-            out.add("decisions", tx.transaction_id.encode(), orjson.dumps(record))
+            blob = orjson.dumps(record)
+            out.add("decisions", tx.transaction_id.encode(), blob)
             out.outcomes[(action, False)] += 1
-            out.to_cache.append((tx, record))
+            out.to_cache.append((tx, blob))
             row = evidence.rows[i] if evidence.rows else None
             doc = self._feedback(tx, record, row, draft.rule, draft.tally)
             feedback_docs.append(doc)
@@ -567,9 +569,7 @@ class Scorer:
             fresh.append((msg, tx))
         return fresh, followers, answered, unchecked
 
-    def _emit_cached(
-        self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock
-    ) -> None:
+    def _emit_cached(self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock) -> None:
         record = dict(hit)
         record.update(
             transaction_id=tx.transaction_id,
@@ -619,7 +619,9 @@ class Scorer:
             )
             out.add("decisions", why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
             out.outcomes[("reject", False)] += 1
-        out.add("dead_letters", why.transaction_id.encode() if why.transaction_id else None,
+        out.add(
+            "dead_letters",
+            why.transaction_id.encode() if why.transaction_id else None,
             orjson.dumps(
                 {
                     "error": why.to_dict(),

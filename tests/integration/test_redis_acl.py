@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pandas as pd
 import pytest
 import redis
@@ -145,7 +146,7 @@ def test_the_worker_user_runs_the_scoring_path(secure_redis: tuple[str, Path]) -
             tx = Transaction("t-acl", "u-acl", 10.0, "m-acl", 1_800_000_000.0)
             (enriched,) = await RedisFeatureStore(client).enrich([tx])
             cache = RedisDecisionCache(client, 60)
-            await cache.put_many([(tx, {"action": "approve"})])
+            await cache.put_many([(tx, orjson.dumps({"action": "approve"}))])
             fresh = await RedisReplayGuard(client).check([("sig-acl", "0:1")], 60)
             return enriched, await cache.get_many([tx]), fresh
         finally:
@@ -174,7 +175,7 @@ async def worker_code(settings: Settings) -> None:
         await RedisFeatureStore(client, local_cache_ttl_s=0).enrich(txs)
         cache = RedisDecisionCache(client, 60)
         assert await cache.get_many(txs) == [None] * len(txs)
-        await cache.put_many([(tx, {"action": "approve"}) for tx in txs])
+        await cache.put_many([(tx, orjson.dumps({"action": "approve"})) for tx in txs])
         await RedisReplayGuard(client).check([("sig-cmd", "0:1")], 60)
         await RedisRateLimiter(client, 10.0, 5.0, 10.0, 5.0).allow([("pos-cmd", tx.user_id) for tx in txs])
         store = RedisQualityStore(client, prefix="quality:cmd:", max_joined=2)
@@ -335,7 +336,9 @@ def test_a_role_reaches_redis_over_tls_with_its_user(tls_redis: tuple[int, Path,
         client.hset(profile_key("u-tls"), "txn_count_30d", 1)
 
 
-def test_a_client_that_does_not_trust_the_ca_or_speaks_plaintext_gets_nothing(tls_redis: tuple[int, Path, Path]) -> None:
+def test_a_client_that_does_not_trust_the_ca_or_speaks_plaintext_gets_nothing(
+    tls_redis: tuple[int, Path, Path],
+) -> None:
     port, _, workdir = tls_redis
     password = stack.redis_password_path(workdir, "worker")
     untrusting = Settings(redis_url=f"rediss://127.0.0.1:{port}/0", redis_username="worker",

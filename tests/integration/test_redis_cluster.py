@@ -116,9 +116,7 @@ def _cli(argv: list[str], env: dict[str, str]) -> int:
 
 
 @pytest.fixture(scope="module")
-def materialized_cluster(
-    cluster_url: str, sim_frame: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory
-) -> str:
+def materialized_cluster(cluster_url: str, sim_frame: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory) -> str:
     """Materialized by ``fraud-pipeline materialize``, the cluster named by the
     setting on a plain URL of one node (the other way to choose it)."""
     data = tmp_path_factory.mktemp("materialize") / "transactions.parquet"
@@ -169,7 +167,9 @@ def test_cache_replay_guard_and_limiter_across_slots(cluster_url: str, sim_frame
         try:
             cache = RedisDecisionCache(client, 60)
             assert await cache.get_many(txs) == [None] * len(txs)
-            await cache.put_many([(tx, {"transaction_id": tx.transaction_id, "action": "approve"}) for tx in txs])
+            await cache.put_many(
+                [(tx, orjson.dumps({"transaction_id": tx.transaction_id, "action": "approve"})) for tx in txs]
+            )
             hits = await cache.get_many(txs)  # one MGET per slot
             assert [h["transaction_id"] for h in hits] == [tx.transaction_id for tx in txs]
 
@@ -252,7 +252,9 @@ def test_scorer_built_for_a_cluster_url(
     assert [d["action"] for d in again] == [d["action"] for d in first]
 
 
-def test_cli_materialize_wrote_every_profile_across_the_nodes(materialized_cluster: str, sim_frame: pd.DataFrame) -> None:
+def test_cli_materialize_wrote_every_profile_across_the_nodes(
+    materialized_cluster: str, sim_frame: pd.DataFrame
+) -> None:
     client = sync_client(Settings(redis_url=materialized_cluster))
     try:
         meta = client.hgetall(MATERIALIZE_META_KEY)

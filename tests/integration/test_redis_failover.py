@@ -107,7 +107,9 @@ def test_worker_gateway_and_feedback_stores_follow_a_failover(ha: redis_ha.Redis
         gw = Gateway(settings, ApiKeys({}), ApiKeys({}), Signer(settings.gateway_client_id, None))
         gw.start_redis()
         try:
-            await cache.put_many([(tx, {"transaction_id": tx.transaction_id, "action": "approve"}) for tx in txs[:10]])
+            await cache.put_many(
+                [(tx, orjson.dumps({"transaction_id": tx.transaction_id, "action": "approve"})) for tx in txs[:10]]
+            )
             await store.add_served([Served("t-ha-1", "v1", "r1", "score", "approve", 0.1, now)])
             assert await gw.rate("shop-ha", "u-ha") is not None
             # WAIT: the replicas acknowledged what was written, so a promoted one has it.
@@ -118,7 +120,9 @@ def test_worker_gateway_and_feedback_stores_follow_a_failover(ha: redis_ha.Redis
             promoted_s = time.monotonic() - killed
             hits, cache_s = await until_it_works(lambda: cache.get_many(txs[:10]))
             assert [h["transaction_id"] for h in hits] == [tx.transaction_id for tx in txs[:10]]
-            await until_it_works(lambda: cache.put_many([(tx, {"transaction_id": tx.transaction_id}) for tx in txs[10:]]))
+            await until_it_works(
+                lambda: cache.put_many([(tx, orjson.dumps({"transaction_id": tx.transaction_id})) for tx in txs[10:]])
+            )
             verdict, _ = await until_it_works(lambda: _answered(gw.rate("shop-ha", "u-ha")))
             assert verdict.allowed
             joined, _ = await until_it_works(lambda: store.add_labels([_label("t-ha-1", now)]))

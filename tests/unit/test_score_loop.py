@@ -56,7 +56,7 @@ class SharedCache(InMemoryDecisionCache):
         self.timeline = timeline
         self.stored: list[str] = []
 
-    async def put_many(self, items: Sequence[tuple[Transaction, dict[str, Any]]]) -> None:
+    async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         ids = [tx.transaction_id for tx, _ in items]
         self.timeline.append(("cache", ids))
         self.stored += ids
@@ -105,10 +105,10 @@ def fresh(kafka: FakeKafka) -> list[str]:
 class Worker:
     def __init__(
         self, kafka: FakeKafka, registry: Path, models: dict[str, ConstantModel], *, name: str = "w1",
-        serving: str = "v1", interval_s: float = NEVER, shared: SharedCache | None = None,
+        serving: str = "v1", interval_s: float = NEVER, shared: SharedCache | None = None, window_s: float = 0.0,
     ) -> None:  # fmt: skip
         self.kafka = kafka
-        settings = Settings(batch_size=32, batch_window_s=0.0, commit_interval_s=interval_s)
+        settings = Settings(batch_size=32, batch_window_s=window_s, commit_interval_s=interval_s)
         self.stream = ExactlyOnce(
             topic=TOPIC, group_id=GROUP, transactional_id=f"{GROUP}-{TOPIC}-{name}", client_config={},
             consumer_factory=kafka.consumer, producer_factory=kafka.producer,
@@ -466,6 +466,36 @@ def test_a_transaction_commits_once_the_commit_interval_has_passed(tmp_path: Pat
 
     asyncio.run(go())
     assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2"]
+
+
+def test_records_that_queued_while_a_batch_was_scored_are_taken_without_another_window(
+    tmp_path: Path, models: Any
+) -> None:
+    """The batch window bounds how long a record waits for its batch to fill,
+    counted from the last take: a worker that was busy takes what queued at once."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models, window_s=0.5)
+    waits: list[float] = []
+    take = worker.stream.take
+
+    async def recording_take(max_records: int, within_s: float) -> Any:
+        waits.append(within_s)
+        return await take(max_records, within_s)
+
+    worker.stream.take = recording_take  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await worker.start()
+        write_new(kafka, 0, 2)
+        await asyncio.sleep(0.6)  # as long as scoring a batch may take: the records wait meanwhile
+        await worker.step()
+        await worker.step()  # nothing queued: this take may wait for a batch to fill
+        await worker.stop()
+
+    asyncio.run(go())
+    assert waits[1] == 0.0  # both records taken at once
+    assert waits[2] > 0.4
+    assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]
 
 
 # --- models --------------------------------------------------------------------------------------

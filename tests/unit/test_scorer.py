@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import math
 import time
 from collections.abc import Sequence
@@ -341,9 +342,7 @@ def test_a_resend_in_a_later_batch_is_answered_from_the_cache(world: World, ense
     assert (out.monitoring or {})["counts"]["cached"] == 1
 
 
-def test_the_same_transaction_twice_in_one_batch_gets_two_identical_decisions(
-    world: World, ensemble: Any
-) -> None:
+def test_the_same_transaction_twice_in_one_batch_gets_two_identical_decisions(world: World, ensemble: Any) -> None:
     store = RecordingStore(world.profiles, world.merchants)
     scorer = make_scorer(world, ensemble, store=store)
     doc = world.tx(6)
@@ -618,9 +617,7 @@ def test_transactions_keep_their_types_in_feedback(world: World, ensemble: Any) 
     out = score(scorer, [inbound(doc, world)])
     feedback = orjson.loads(out.feedback[0][1])
     assert feedback["transaction"]["amount"] == 10.0
-    assert feedback["transaction"]["timestamp"] == pytest.approx(
-        datetime.fromisoformat(doc["timestamp"]).timestamp()
-    )
+    assert feedback["transaction"]["timestamp"] == pytest.approx(datetime.fromisoformat(doc["timestamp"]).timestamp())
 
 
 def test_an_oversized_message_leaves_a_dead_letter_small_enough_to_produce() -> None:
@@ -632,12 +629,15 @@ def test_an_oversized_message_leaves_a_dead_letter_small_enough_to_produce() -> 
     from pipeline.validate import Limits
 
     scorer = Scorer(
-        model=None, rules=RULES, store=InMemoryFeatureStore(), cache=InMemoryDecisionCache(),
+        model=None,
+        rules=RULES,
+        store=InMemoryFeatureStore(),
+        cache=InMemoryDecisionCache(),
         limits=Limits(max_message_bytes=64 * 1024),
     )
     value = b'{"transaction_id": "t-big", "pad": "' + b"x" * 800_000 + b'"}'
     out = asyncio.run(scorer.score_batch([Inbound(value, {"h": b"y" * 100_000}, time.time(), 3, 7)]))
-    (_, letter), = out.dead_letters
+    ((_, letter),) = out.dead_letters
     assert len(letter) < 20_000
     record = orjson.loads(letter)
     assert record["error"]["code"] == "too_large"
@@ -665,9 +665,7 @@ class StalledCache:
         raise TimeoutError("Timeout writing to socket")
 
 
-def test_a_transaction_the_cache_cannot_check_is_provisional_and_never_approved(
-    world: World, ensemble: Any
-) -> None:
+def test_a_transaction_the_cache_cannot_check_is_provisional_and_never_approved(world: World, ensemble: Any) -> None:
     scorer = make_scorer(world, ensemble)
     scorer.cache = LocalFirstCache(StalledCache(), wait_s=0.03, retry_every_s=0.01)
     docs = [world.tx(i) for i in range(12)]
@@ -703,11 +701,29 @@ def test_a_stale_local_entry_goes_to_the_shared_cache(world: World) -> None:
     cache = LocalFirstCache(InMemoryDecisionCache(), ttl_s=10, wait_s=0.0, clock=lambda: clock[0])
     tx = validate(orjson.dumps(world.tx(1)), world.now, Limits())
     assert isinstance(tx, Transaction)
-    asyncio.run(cache.put_many([(tx, {"action": "decline"})]))
+    asyncio.run(cache.put_many([(tx, orjson.dumps({"action": "decline"}))]))
     assert asyncio.run(cache.get_many([tx])) == [{"action": "decline"}]
     clock[0] = 11.0  # past its TTL here; and the shared cache is down
     cache.shared = StalledCache()
     assert asyncio.run(cache.get_many([tx])) == [UNCHECKED]
+
+
+def test_a_worker_s_held_decisions_add_nothing_for_the_garbage_collector_to_walk(world: World) -> None:
+    """The local cache holds tens of thousands of decisions: kept as dicts they
+    made every full collection a long pause of the scoring loop."""
+    cache = LocalFirstCache(InMemoryDecisionCache())
+    txs = [validate(orjson.dumps(world.tx(i)), world.now, Limits()) for i in range(2000)]
+    items = [
+        (tx, orjson.dumps({"action": "approve", "latency_ms": {"total": 1.0}, "explanation": ["x"]})) for tx in txs
+    ]
+    gc.collect()
+    before = len(gc.get_objects())
+    cache.hold(items)  # type: ignore[arg-type]
+    del items
+    gc.collect()
+
+    assert len(gc.get_objects()) - before < 50  # not one per decision
+    assert asyncio.run(cache.get_many(txs[:1]))[0]["latency_ms"] == {"total": 1.0}  # type: ignore[arg-type]
 
 
 def test_every_outcome_becomes_one_record_on_its_topic(world: World, ensemble: Any) -> None:
