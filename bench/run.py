@@ -313,14 +313,10 @@ def run_record(
         "cached": summary["cached"],
         "cpu_pct": cpu_pct_between(timeline, "cpu_s"),
         "rss_mb": round(max(rss), 1) if rss else None,
-        "other_cpu_pct": {
-            name: cpu_pct_between(timeline, f"{name}_cpu_s") for name in ("loadgen", *other_pids)
-        },
+        "other_cpu_pct": {name: cpu_pct_between(timeline, f"{name}_cpu_s") for name in ("loadgen", *other_pids)},
         "generator_lag_p99_ms": summary["generator_lag_ms"]["p99"],
         "actions": dict(summary.get("actions", {})),
-        "stages": {
-            stage: {"p50": p["p50"], "p99": p["p99"]} for stage, p in summary.get("stages_ms", {}).items()
-        },
+        "stages": {stage: {"p50": p["p50"], "p99": p["p99"]} for stage, p in summary.get("stages_ms", {}).items()},
         "lag": [[e["t"], e["in_flight"]] for e in timeline],
     } | {"cpu_ms_per_decision": _cpu_ms_per_decision(timeline, summary["achieved_rate"], other_pids)}
 
@@ -330,6 +326,7 @@ def _cpu_ms_per_decision(
 ) -> dict[str, float | None]:
     """Process CPU milliseconds per decision over the measured window, for the
     worker and each sampled service (broker, Redis): what a decision costs."""
+
     def per(key: str) -> float | None:
         pct = cpu_pct_between(timeline, key)
         if pct is None or not achieved_tps:
@@ -478,11 +475,15 @@ def sustainable(runs: Sequence[Mapping[str, Any]], threshold_ms: float) -> dict[
             [run["offered_tps"], run.get("p99_ms"), passes(run, threshold_ms)]
             for run in sorted(runs, key=lambda r: r["offered_tps"])
         ],
-        "repeated": sorted({r["offered_tps"] for r in runs if sum(x["offered_tps"] == r["offered_tps"] for x in runs) > 1}),
+        "repeated": sorted(
+            {r["offered_tps"] for r in runs if sum(x["offered_tps"] == r["offered_tps"] for x in runs) > 1}
+        ),
     }
 
 
-def ratios(max_sustainable: Mapping[str, Mapping[str, Mapping[str, Any]]], threshold_ms: float = 200.0) -> dict[str, Any]:
+def ratios(
+    max_sustainable: Mapping[str, Mapping[str, Mapping[str, Any]]], threshold_ms: float = 200.0
+) -> dict[str, Any]:
     """Batched max sustainable TPS over unbatched's and over the ceiling's."""
     key = threshold_key(threshold_ms)
 
@@ -838,7 +839,7 @@ def settings_from_env(env: Mapping[str, str]) -> Any:
     from app.settings import Settings
 
     fields = Settings.model_fields
-    values = {key[len("FRAUD_"):].lower(): v for key, v in env.items() if key.startswith("FRAUD_")}
+    values = {key[len("FRAUD_") :].lower(): v for key, v in env.items() if key.startswith("FRAUD_")}
     return Settings(**{name: v for name, v in values.items() if name in fields})
 
 
@@ -957,7 +958,7 @@ class Bench:
         cfg = LoadConfig(
             rate=rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
             data=POPULATION, seed=self._seed, report_every_s=SAMPLE_EVERY_S, quiet=True, verify_share=VERIFY_SHARE,
-            settings=worker.settings, sample=_sampler(worker.pid, self.svc.pids),
+            settings=worker.settings, sample=_sampler(worker.pid, self.svc.pids), prebuild=True,
         )  # fmt: skip
         summary = asyncio.run(run_load(cfg))
         record = run_record(worker.variant, label, rate, summary, worker=worker.tag, other_pids=tuple(self.svc.pids))
@@ -1140,11 +1141,14 @@ def format_report(doc: Mapping[str, Any]) -> str:
     cpu = doc.get("cpu_ms_per_decision") or {}
     if cpu:
         lines.append("")
-        lines.append("CPU ms per decision (lowest passing rate): " + "; ".join(
-            f"{variant} @ {c['offered_tps']:,.0f} TPS: "
-            + ", ".join(f"{k} {v}" for k, v in c.items() if k != "offered_tps" and v is not None)
-            for variant, c in cpu.items()
-        ))
+        lines.append(
+            "CPU ms per decision (lowest passing rate): "
+            + "; ".join(
+                f"{variant} @ {c['offered_tps']:,.0f} TPS: "
+                + ", ".join(f"{k} {v}" for k, v in c.items() if k != "offered_tps" and v is not None)
+                for variant, c in cpu.items()
+            )
+        )
     r = doc["ratios"]
     lines.append(
         f"ratios at p99 < {r['threshold_ms']:g} ms: batched/unbatched {r['batched_over_unbatched']}, "
@@ -1188,7 +1192,9 @@ def _settings_doc(svc: Services) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1,000 TPS and one search probe per variant, short runs, no sweep")
+    parser.add_argument(
+        "--quick", action="store_true", help="1,000 TPS and one search probe per variant, short runs, no sweep"
+    )
     parser.add_argument("--rates", type=float, nargs="+", help="override the offered rates (TPS)")
     parser.add_argument("--sweep-rate", type=float, help="offered rate of the sweep runs (TPS)")
     parser.add_argument("--sweep-sizes", type=int, nargs="+", help="batch sizes of the sweep (default 8 16 32 64)")
@@ -1203,7 +1209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sweep_rate:
         plan = replace(plan, sweep_rate=args.sweep_rate)
     if args.sweep_sizes or args.sweep_windows_ms:
-        plan = replace(plan, sweep=sweep_variants(args.sweep_sizes or (8, 16, 32, 64), args.sweep_windows_ms or (5, 10, 20)))
+        plan = replace(
+            plan, sweep=sweep_variants(args.sweep_sizes or (8, 16, 32, 64), args.sweep_windows_ms or (5, 10, 20))
+        )
     if args.no_sweep:
         plan = replace(plan, sweep=())
 

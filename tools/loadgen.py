@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -54,6 +55,17 @@ def _kafka() -> Any:
     return confluent_kafka
 
 
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """One transaction ready to produce (and its label, if it gets one)."""
+
+    tx_id: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    label: bytes | None
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     rate: float = 200.0
@@ -84,6 +96,11 @@ class LoadConfig:
     """Also return ``summary["decisions"]``: ``t`` (seconds since the load
     started, the timeline's clock) and ``latency_ms`` of every decision, warm-up
     included, in arrival order: latency percentiles over any time window."""
+    prebuild: bool = False
+    """Make and sign every transaction before the clock starts (each stamped
+    with the time it will be sent): during the run the generator only sends
+    and reads decisions, so its CPU is not the benchmark's. Holds the whole
+    run in memory (~1 KB per transaction): for runs of minutes, not hours."""
 
 
 def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | None]:
@@ -91,8 +108,13 @@ def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | Non
         return {"p50": None, "p95": None, "p99": None, "p99.9": None, "max": None}
     arr = np.asarray(latencies_ms)
     p50, p95, p99, p999 = np.percentile(arr, [50, 95, 99, 99.9])
-    return {"p50": round(float(p50), 1), "p95": round(float(p95), 1), "p99": round(float(p99), 1),
-            "p99.9": round(float(p999), 1), "max": round(float(arr.max()), 1)}
+    return {
+        "p50": round(float(p50), 1),
+        "p95": round(float(p95), 1),
+        "p99": round(float(p99), 1),
+        "p99.9": round(float(p999), 1),
+        "max": round(float(arr.max()), 1),
+    }
 
 
 @lru_cache(maxsize=4)  # about a second to build; a benchmark runs many loads
@@ -113,15 +135,16 @@ def _signer(settings: Settings) -> Any:
     secret = settings.client_keys.get_secret_value() if settings.client_keys else None
     keys = ClientKeys.load(settings.client_keys_file, secret)
     if not keys:
-        return lambda value: []
+        return lambda value, now_s: []
     client = "loadgen" if "loadgen" in keys else next(iter(keys))
     key = keys[client]
-    return lambda value: list(sign(value, client, key, int(time.time() * 1000)).items())
+    return lambda value, now_s: list(sign(value, client, key, int(now_s * 1000)).items())
 
 
 async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     load = _LoadRun(cfg)
     try:
+        load.prepare()
         await load.follow_decisions()
         sent, send_s = await load.drive()
     finally:
@@ -185,6 +208,10 @@ class _LoadRun:
         self.received_ms: list[float] = []  # their latencies, when cfg.record_decisions
         self.done_sending = asyncio.Event()
         self.t_start = 0.0
+        self._label_rng = np.random.default_rng(cfg.seed + 2)
+        self._times: np.ndarray = np.zeros(0)
+        self._prebuilt: list[_Send] | None = None
+        self._start_epoch: float | None = None
 
     async def close(self) -> None:
         await self._call(self.producer.flush, 10.0)
@@ -238,41 +265,78 @@ class _LoadRun:
             entry.update(self.cfg.sample())
         self.timeline.append(entry)
 
+    def schedule(self) -> np.ndarray:
+        """Send times (seconds after the start): Poisson arrivals for ``duration_s``."""
+        cfg = self.cfg
+        rng = np.random.default_rng(cfg.seed + 1)
+        gaps = rng.exponential(1.0 / cfg.rate, int(cfg.rate * cfg.duration_s * 1.2) + 64)
+        times = np.cumsum(gaps) - gaps[0]  # the first send at the start
+        while times[-1] < cfg.duration_s:
+            more = rng.exponential(1.0 / cfg.rate, len(gaps))
+            times = np.concatenate([times, times[-1] + np.cumsum(more)])
+        return times[times < cfg.duration_s]
+
+    def build(self, epoch_s: float) -> _Send:
+        """The next transaction, made and signed at epoch seconds ``epoch_s``
+        (and its label, for ``label_share`` of them)."""
+        tx = self.source.next(epoch_s)
+        value = orjson.dumps(tx)
+        key = tx["user_id"].encode()
+        headers = [("correlation-id", os.urandom(8).hex().encode()), *self.signer(value, epoch_s)]
+        label = None
+        if self.cfg.label_share and self._label_rng.random() < self.cfg.label_share:
+            label = self.label_for(tx)
+        return _Send(tx["transaction_id"], key, value, headers, label)
+
+    def prepare(self) -> None:
+        """With ``prebuild``: every send made and signed now, stamped with the
+        time it will be sent (the clock starts when they are built)."""
+        self._times = self.schedule()
+        if not self.cfg.prebuild:
+            return
+        n = len(self._times)
+        probe = time.perf_counter()
+        for _ in range(min(n, 100)):  # what one costs, so the stamps can be set ahead
+            self.build(time.time())
+        per = (time.perf_counter() - probe) / min(n, 100) if n else 0.0
+        self._start_epoch = time.time() + per * n * 1.25 + 0.1
+        self._prebuilt = [self.build(self._start_epoch + float(at)) for at in self._times]
+
     async def produce(self) -> int:
         """Poisson arrivals for ``duration_s``; the first ``warmup_s`` are not measured."""
         cfg = self.cfg
-        rng = np.random.default_rng(cfg.seed + 1)
-        label_rng = np.random.default_rng(cfg.seed + 2)
+        if self._start_epoch is not None and time.time() < self._start_epoch:
+            await asyncio.sleep(self._start_epoch - time.time())  # the stamps' start
+        times, prebuilt = self._times, self._prebuilt
+        n = len(times)
         start = time.monotonic()
-        next_at = start
+        wall_start = time.time()
         count = 0
         warm = cfg.warmup_s > 0
         if not warm:
             self.snapshot("measure_start")
-        producer, topic = self.producer, self.settings.topic_transactions
-        while next_at - start < cfg.duration_s:
-            delay = next_at - time.monotonic()
+        producer, topic, labels = self.producer, self.settings.topic_transactions, self.settings.topic_labels
+        while count < n:
+            delay = start + times[count] - time.monotonic()
             if delay > 0:
                 # NOTE: one sleep per tick, then every send that is due: a sleep
                 # per send cost more than the send itself at thousands of TPS.
                 await asyncio.sleep(max(delay, TICK_S))
             now = time.monotonic()
-            while next_at <= now and next_at - start < cfg.duration_s:
-                if warm and next_at - start >= cfg.warmup_s:
+            while count < n and start + times[count] <= now:
+                at = float(times[count])
+                if warm and at >= cfg.warmup_s:
                     warm = False
                     self.snapshot("measure_start")
-                tx = self.source.next(time.time())
-                self.sent_at[tx["transaction_id"]] = now
+                send = prebuilt[count] if prebuilt is not None else self.build(wall_start + (now - start))
+                self.sent_at[send.tx_id] = now
                 if not warm:
-                    self.measured_ids.add(tx["transaction_id"])
-                    self.gen_lag.append((now - next_at) * 1000)
-                value = orjson.dumps(tx)
-                headers = [("correlation-id", uuid.uuid4().hex[:16].encode()), *self.signer(value)]
-                self._produce(topic, value, tx["user_id"].encode(), headers)
+                    self.measured_ids.add(send.tx_id)
+                    self.gen_lag.append((now - start - at) * 1000)
+                self._produce(topic, send.value, send.key, send.headers)
+                if send.label is not None:
+                    self._produce(labels, send.label, send.tx_id.encode())
                 count += 1
-                if cfg.label_share and label_rng.random() < cfg.label_share:
-                    self.send_label(tx)
-                next_at += float(rng.exponential(1.0 / cfg.rate))
             producer.poll(0)  # delivery reports
         await self._call(producer.flush, 30.0)
         self.snapshot("send_end")
@@ -287,13 +351,13 @@ class _LoadRun:
             except BufferError:  # the local queue is full: deliveries drain it
                 self.producer.poll(0.01)
 
-    def send_label(self, tx: dict[str, Any]) -> None:
-        """Label ``tx`` with the simulator's ground truth, as a chargeback or an analyst would."""
+    def label_for(self, tx: dict[str, Any]) -> bytes:
+        """A label for ``tx`` with the simulator's ground truth, as a chargeback or an analyst would give it."""
         fraud = self.source.last_scenario != "legit"
         label = {"transaction_id": tx["transaction_id"], "label": "fraud" if fraud else "legit",
                  "source": "chargeback" if fraud else "analyst",
                  "labeled_at": datetime.now(UTC).isoformat(), "merchant_id": tx["merchant_id"]}  # fmt: skip
-        self._produce(self.settings.topic_labels, orjson.dumps(label), tx["transaction_id"].encode())
+        return orjson.dumps(label)
 
     async def consume(self) -> None:
         """Match decisions to sends until sending is done and none is outstanding."""
