@@ -60,6 +60,9 @@ __all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "freeze_start
 log = logging.getLogger(__name__)
 
 CACHE_WRITE_TIMEOUT_S = 0.1
+#: How long an idle worker waits for a record before looking around (a
+#: promoted model, shutdown): a record ends the wait as soon as it arrives.
+IDLE_WAIT_S = 0.25
 
 
 @dataclass
@@ -269,10 +272,16 @@ class ScoringLoop:
         # the window to fill a batch). NOTE: a full window from each take added
         # its 10 ms to every decision at every rate (docs/performance.md).
         wait = max(0.0, self.window_s - (now - self._last_take))
+        # Nothing came in the window: wait for the first record (not for a
+        # batch), as long as no commit is due: an idle worker sleeps instead
+        # of waking every window.
+        idle = IDLE_WAIT_S
         opened = self.stream.open_since
         if opened is not None:
-            wait = max(0.0, min(wait, opened + self.interval_s - now))
-        batch = await self.stream.take(self.batch_size, wait)
+            due = max(0.0, opened + self.interval_s - now)
+            wait = min(wait, due)
+            idle = due - wait
+        batch = await self.stream.take(self.batch_size, wait, idle)
         self._last_take = time.monotonic()
         if batch.messages:
             await self.handle(batch)

@@ -245,14 +245,23 @@ class ExactlyOnce:
 
     # -- the loop: take, then commit ----------------------------------------------
 
-    async def take(self, max_records: int, within_s: float) -> TakenBatch:
-        """Up to ``max_records`` records, waiting at most ``within_s`` for them."""
-        messages = await self._call(self._take, max_records, within_s)
+    async def take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> TakenBatch:
+        """Up to ``max_records`` records: those that arrive within ``within_s``;
+        if none did, the first to arrive within ``idle_s`` more and those
+        queued behind it."""
+        messages = await self._call(self._take, max_records, within_s, idle_s)
         return TakenBatch.of(messages, self.generation)
 
-    def _take(self, max_records: int, within_s: float) -> list[Any]:
+    def _take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> list[Any]:
         generation = self.generation
         polled = self._consumer.consume(max_records, within_s)
+        if not polled and idle_s > 0:
+            # NOTE: consume(n, t) returns when it has n records or t has passed,
+            # so an idle worker would wake (and hop threads) every window for
+            # nothing; one record ends this wait as soon as it arrives instead.
+            polled = self._consumer.consume(1, idle_s)
+            if polled and max_records > 1:
+                polled += self._consumer.consume(max_records - 1, 0)
         out = []
         for msg in polled:
             err = msg.error()

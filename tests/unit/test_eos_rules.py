@@ -82,6 +82,37 @@ async def joined(s: ExactlyOnce) -> None:
     assert (await take(s)).messages == []
 
 
+def test_an_idle_take_waits_for_the_first_record_then_takes_what_queued_behind_it() -> None:
+    """Nothing in the window: the next wait ends at the first record (not after
+    a whole batch's wait), and what arrived with it comes along."""
+    kafka = new_kafka()
+
+    async def body(s: ExactlyOnce) -> None:
+        calls: list[tuple[int, float]] = []
+        inner = s._consumer
+
+        class Arriving:
+            """The group's consumer, with three records arriving during the window's wait."""
+
+            def consume(self, n: int, timeout: float) -> list[Any]:
+                calls.append((n, timeout))
+                if len(calls) == 1:
+                    fill(kafka, 0, 3)
+                    return []
+                return list(inner.consume(n, timeout))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+        s._consumer = Arriving()
+        batch = await s.take(64, 0.01, 0.25)
+        s._consumer = inner
+        assert calls == [(64, 0.01), (1, 0.25), (63, 0)]
+        assert taken(batch) == [(0, 0), (0, 1), (0, 2)]
+
+    run(kafka, body)
+
+
 # --- a transaction that commits -----------------------------------------------------------------
 
 

@@ -478,9 +478,9 @@ def test_records_that_queued_while_a_batch_was_scored_are_taken_without_another_
     waits: list[float] = []
     take = worker.stream.take
 
-    async def recording_take(max_records: int, within_s: float) -> Any:
+    async def recording_take(max_records: int, within_s: float, idle_s: float = 0.0) -> Any:
         waits.append(within_s)
-        return await take(max_records, within_s)
+        return await take(max_records, within_s, idle_s)
 
     worker.stream.take = recording_take  # type: ignore[method-assign]
 
