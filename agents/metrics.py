@@ -26,6 +26,7 @@ consumer's fetch highwaters and the offsets its transactions committed
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import re
@@ -129,8 +130,19 @@ class WorkerMetrics:
         self.commit_seconds = Histogram(
             "fraud_kafka_commit_seconds",
             "One commit of the scoring loop's transaction (offsets with the group's metadata, then EndTxn)",
-            buckets=REDIS_BUCKETS, registry=r,
+            buckets=REDIS_BUCKETS,
+            registry=r,
         )
+        self.loop_seconds = Histogram(
+            "fraud_loop_seconds",
+            "The scoring loop's time per step, by phase: take (waiting for records included), score (a batch "
+            "scored, its records built and signed), send (produced into the open transaction), commit",
+            ["phase"], buckets=REDIS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.gc_pause_seconds = Histogram(
+            "fraud_gc_pause_seconds", "Garbage collections of the worker process (the loop stops meanwhile)",
+            ["generation"], buckets=REDIS_BUCKETS, registry=r,
+        )  # fmt: skip
         self.model_info = Gauge(
             "fraud_model_info", "The model and rules versions deciding now (value 1)",
             ["model_version", "rules_version"], registry=r,
@@ -143,6 +155,24 @@ class WorkerMetrics:
         self.registry.register(_ScrapeTimeCollector(self))
         # process_cpu_seconds_total: `scale advise` bounds a worker's capacity by its CPU per message.
         ProcessCollector(registry=self.registry)
+
+    def watch_gc(self) -> None:
+        """Time every garbage collection of this process (``fraud_gc_pause_seconds``).
+
+        NOTE: a full collection stops the scoring loop for as long as it walks
+        the heap; that is how a p99 tail of 60-180 ms was found
+        (docs/performance.md). Once per process: the callback stays installed.
+        """
+        started = [0.0]
+        pauses = {g: self.gc_pause_seconds.labels(str(g)) for g in range(3)}
+
+        def timed(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                pauses[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(timed)
 
     # --- wiring -------------------------------------------------------------------
 

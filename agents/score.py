@@ -164,6 +164,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     app = base_app(settings)
     metrics = WorkerMetrics.install(app, settings, faust_sensors=settings.faust_sensors)  # /metrics
     metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
+    metrics.watch_gc()
     merchant_tally = install_merchant_tally(app, settings)  # live confirmed fraud per merchant, for the rules
     reloader = runtime.reloader()
     stream = exactly_once(settings, metrics)
@@ -258,6 +259,7 @@ class ScoringLoop:
         #: Per open (or just settled) transaction, the batches sent in it.
         self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
         self._last_take = time.monotonic()
+        self._phase = {phase: metrics.loop_seconds.labels(phase) for phase in ("take", "score", "send", "commit")}
 
     async def run(self) -> None:
         while True:
@@ -282,14 +284,16 @@ class ScoringLoop:
             wait = min(wait, due)
             idle = due - wait
         batch = await self.stream.take(self.batch_size, wait, idle)
-        self._last_take = time.monotonic()
+        self._last_take = taken = time.monotonic()
+        self._phase["take"].observe(taken - now)
         if batch.messages:
             await self.handle(batch)
         opened = self.stream.open_since
-        if opened is not None and time.monotonic() - opened >= self.interval_s:
+        now = time.monotonic()
+        if (opened is not None and now - opened >= self.interval_s) or self.stream.has_settled():
+            # (or a rebalance settled one inside take())
             self.settle(await self.stream.commit())
-        elif self.stream.has_settled():
-            self.settle(await self.stream.commit())  # a rebalance settled one inside take()
+            self._phase["commit"].observe(time.monotonic() - now)
 
     async def handle(self, batch: TakenBatch) -> BatchOutput | None:
         """One micro-batch, top to bottom."""
@@ -298,7 +302,11 @@ class ScoringLoop:
         await self.reloader.apply(self.scorer)  # a promoted model or rules, between batches
         output = await self.scorer.score_batch(inbound)
         await self.scorer.finish(output)  # the shadow model: adds to the feedback records
-        seq = await self.stream.send(batch, output.records(self.topics, self.sign))
+        records = output.records(self.topics, self.sign)
+        sending = time.perf_counter()
+        self._phase["score"].observe(sending - started)
+        seq = await self.stream.send(batch, records)
+        self._phase["send"].observe(time.perf_counter() - sending)
         if seq is None:
             return None  # taken before a rebalance: it comes again
         # A resend in a later batch of this transaction finds its first decision here.

@@ -161,3 +161,19 @@ def test_a_scrape_carries_what_scale_advise_needs() -> None:
     metrics = WorkerMetrics(Settings())
     w = parse_scrape("w", generate_latest(metrics.registry).decode())
     assert w.cpu_seconds > 0 and w.batches == 0.0 and w.fill_sum == 0.0
+
+
+def test_garbage_collections_are_timed_by_generation() -> None:
+    """A full collection stops the scoring loop: ``fraud_gc_pause_seconds`` shows each one."""
+    import gc
+
+    metrics = WorkerMetrics(Settings())
+    metrics.watch_gc()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        gc.callbacks.pop()
+    count = metrics.registry.get_sample_value
+    assert (count("fraud_gc_pause_seconds_count", {"generation": "2"}) or 0) >= 1
+    assert (count("fraud_gc_pause_seconds_count", {"generation": "0"}) or 0) >= 1

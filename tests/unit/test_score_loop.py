@@ -498,6 +498,25 @@ def test_records_that_queued_while_a_batch_was_scored_are_taken_without_another_
     assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]
 
 
+def test_the_loop_reports_where_its_time_goes(tmp_path: Path, models: Any) -> None:
+    """``fraud_loop_seconds``: each step's take, score, send and commit, as an operator sees them on /metrics."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models, interval_s=0.0)
+
+    async def go() -> None:
+        await worker.start()
+        write_new(kafka, 0, 2)
+        await worker.step()
+        await worker.stop()
+
+    asyncio.run(go())
+    count = worker.metrics.registry.get_sample_value
+    assert count("fraud_loop_seconds_count", {"phase": "take"}) == 2  # joining, then the batch
+    assert count("fraud_loop_seconds_count", {"phase": "score"}) == 1
+    assert count("fraud_loop_seconds_count", {"phase": "send"}) == 1
+    assert count("fraud_loop_seconds_count", {"phase": "commit"}) == 1
+
+
 # --- models --------------------------------------------------------------------------------------
 
 
