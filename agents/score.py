@@ -290,8 +290,8 @@ class ScoringLoop:
             await self.handle(batch)
         opened = self.stream.open_since
         now = time.monotonic()
+        # Due, or a rebalance settled one inside take(): its outcome is reported here.
         if (opened is not None and now - opened >= self.interval_s) or self.stream.has_settled():
-            # (or a rebalance settled one inside take())
             self.settle(await self.stream.commit())
             self._phase["commit"].observe(time.monotonic() - now)
 
