@@ -318,8 +318,10 @@ class ScoringLoop:
         for seq, outcome in outcomes:
             batches = self.pending.pop(seq, [])
             if outcome == "committed":
+                # One write to the shared cache per transaction, not per batch:
+                # a round trip is worth more than the bytes it carries.
+                self._cache_later([item for _, output, _ in batches for item in output.to_cache])
                 for inbound, output, started in batches:
-                    self._cache_later(output.to_cache)
                     self.metrics.observe_batch(inbound, output, started)
             else:
                 log.warning("%d batch(es) not committed (%s): their records are decided again", len(batches), outcome)

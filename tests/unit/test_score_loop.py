@@ -270,6 +270,24 @@ def test_decisions_reach_the_shared_cache_only_after_their_transaction_committed
     assert sorted(worker.shared.stored) == sorted(fresh(kafka))
 
 
+def test_a_transaction_of_several_batches_is_stored_in_the_shared_cache_in_one_write(
+    tmp_path: Path, models: Any
+) -> None:
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models)
+
+    async def go() -> None:
+        await worker.start()
+        for _ in range(3):
+            write_new(kafka, 0, 2)
+            await worker.step()
+        await worker.commit()
+
+    asyncio.run(go())
+    assert [e for e in kafka.timeline if e[0] == "cache"] == [("cache", fresh(kafka))]
+    assert len(fresh(kafka)) == 6
+
+
 def test_a_transaction_that_aborts_releases_its_held_decisions_and_its_records_are_decided_again_once(
     tmp_path: Path, models: Any
 ) -> None:
