@@ -270,13 +270,13 @@ class ScoringLoop:
         now = time.monotonic()
         # The window counts from the last take: what arrived while the last
         # batch was scored and committed has waited already, and is taken at
-        # once (a busy worker batches what queued up, an idle one waits up to
-        # the window to fill a batch). NOTE: a full window from each take added
-        # its 10 ms to every decision at every rate (docs/performance.md).
+        # once; right after a take, the next waits out the rest of the window
+        # for a batch to fill. NOTE: a full window from each take added its
+        # 10 ms to every decision at every rate (docs/performance.md).
         wait = max(0.0, self.window_s - (now - self._last_take))
         # Nothing came in the window: wait for the first record (not for a
         # batch), as long as no commit is due: an idle worker sleeps instead
-        # of waking every window.
+        # of waking every window, and takes a record the moment it arrives.
         idle = IDLE_WAIT_S
         opened = self.stream.open_since
         if opened is not None:
