@@ -32,8 +32,8 @@ def client_config(settings: Settings, client_id: str) -> dict[str, object]:
         # every retry's backoff) until a new leader shows: up to a second more
         # of an open transaction waiting after the cluster has already moved
         # the leadership. With it and the brokers' 2 s session (tools/stack),
-        # losing a broker of the 3-node stack stopped decisions for 2-4 s, not
-        # 5.6 s (RELIABILITY.md).
+        # losing a broker of the 3-node stack stopped decisions for 2.1-2.5 s,
+        # not 5.6 s (RELIABILITY.md).
         "retry.backoff.max.ms": 250,
     }
     if settings.kafka_ssl and settings.kafka_ssl_cafile:
