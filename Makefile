@@ -130,13 +130,16 @@ check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
 
 # The replicated stack (minutes: three Kafka JVMs, Redis with Sentinels): up,
-# status, down, a broker lost under acks=all, the secure cluster, and a worker
-# under load through a Redis failover (tests/integration/test_cluster.py,
-# test_redis_failover.py). `make test` runs only their fast part.
+# status, down, a broker lost under acks=all, the secure cluster, a worker
+# under load through a Redis failover, and three workers under load through the
+# loss of a broker, of a transaction coordinator and of the Redis primary in one
+# run (tests/integration/test_cluster.py, test_redis_failover.py,
+# test_cluster_faults.py). `make test` runs only their fast part.
 test-cluster: setup
 	@mkdir -p .stack
 	FRAUD_CLUSTER=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider \
-	  tests/integration/test_cluster.py tests/integration/test_redis_failover.py
+	  tests/integration/test_cluster.py tests/integration/test_redis_failover.py \
+	  tests/integration/test_cluster_faults.py
 
 # The fault and fuzz tests, longer (minutes): more load, longer outages. Then
 # SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and

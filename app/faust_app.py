@@ -12,7 +12,7 @@ from typing import Any
 
 import faust
 
-from app.seams import install_read_committed
+from app.seams import install_read_committed, install_wait_topic_visible
 from app.settings import Settings
 from app.topics import kafka_auth
 
@@ -44,6 +44,7 @@ def base_app(settings: Settings) -> faust.App:
     reach the broker in exactly the same way.
     """
     install_read_committed()
+    install_wait_topic_visible()
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = faust.App(
         settings.app_id,

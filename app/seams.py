@@ -11,6 +11,9 @@ The seams:
 - :func:`install_read_committed`: patches faust's
   ``AIOKafkaConsumerThread._create_worker_consumer`` to set aiokafka's
   ``AIOKafkaConsumer._isolation_level`` (workers read committed data only).
+- :func:`install_wait_topic_visible`: patches faust's
+  ``Transport._really_create_topic`` to return once every broker knows the
+  topic it created (on a cluster, the worker subscribes to it right after).
 - :func:`cluster_metadata`: aiokafka's ``AIOKafkaConsumer._client`` and
   ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
 - :func:`admin_request`: aiokafka's ``AIOKafkaAdminClient._send_request``
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["admin_request", "cluster_metadata", "install_read_committed", "send_raw"]
+__all__ = ["admin_request", "cluster_metadata", "install_read_committed", "install_wait_topic_visible", "send_raw"]
 
 
 # --- the worker consumer's isolation level --------------------------------------------------------
@@ -69,6 +72,64 @@ def install_read_committed() -> None:
 
     _create_worker_consumer._fraud_patched = True  # type: ignore[attr-defined]
     thread_cls._create_worker_consumer = _create_worker_consumer  # type: ignore[method-assign]
+
+
+# --- faust's own topics, visible before it subscribes to them --------------------------------------
+
+#: How long a created topic may take to reach every broker's metadata before
+#: faust goes on anyway (KRaft brokers apply the controller's record in
+#: milliseconds to a few hundred; a loaded 2-core machine is the slow case).
+TOPIC_VISIBLE_WAIT_S = 15.0
+
+
+def install_wait_topic_visible() -> None:
+    """Make faust's topic creation return only once every broker has the topic.
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.drivers.aiokafka.
+    Transport._really_create_topic`` (behind ``Transport.create_topic``, which
+    declares the changelog, repartition and assignor topics at start).
+
+    NOTE: on a KRaft cluster CreateTopics answers once the controller has the
+    topic; each broker learns it a moment later. faust subscribes to the
+    topics it just declared, and a consumer whose metadata came from a broker
+    that did not know one yet ignores it in the assignment ("Ignoring missing
+    topic"): a worker on the 3-node stack then never got its changelog
+    partitions and never became ready (measured: no progress in 180 s). On
+    one broker the answer and the metadata come from the same node.
+    """
+    import asyncio
+    import time
+
+    from aiokafka.protocol.metadata import MetadataRequest
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
+    transport_cls = faust_aiokafka.Transport
+    original = transport_cls._really_create_topic
+    if getattr(original, "_fraud_patched", False):
+        return
+
+    async def _really_create_topic(self: Any, owner: Any, client: Any, topic: str, *args: Any, **kwargs: Any) -> None:
+        await original(self, owner, client, topic, *args, **kwargs)
+        deadline = time.monotonic() + TOPIC_VISIBLE_WAIT_S
+        nodes = [broker.nodeId for broker in client.cluster.brokers()]
+        while nodes and time.monotonic() < deadline:
+            missing = []
+            for node in nodes:
+                try:
+                    response = await client.send(node, MetadataRequest([topic]))
+                    known = any(t[1] == topic and t[0] == 0 for t in response.topics)
+                except Exception:  # a broker that cannot answer now: asked again
+                    known = False
+                if not known:
+                    missing.append(node)
+            nodes = missing
+            if nodes:
+                await asyncio.sleep(0.05)
+        if nodes:
+            owner.log.warning("topic %r not yet known to brokers %s", topic, nodes)
+
+    _really_create_topic._fraud_patched = True  # type: ignore[attr-defined]
+    transport_cls._really_create_topic = _really_create_topic  # type: ignore[method-assign]
 
 
 # --- metadata -------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ CLUSTER_CONFIG: dict[str, str] = {
     # Kafka's default, stated: a replica that was out of sync never becomes leader
     # (it would lose acknowledged decisions).
     "unclean.leader.election.enable": "false",
-    # (``broker.session.timeout.ms``, 3 s, is the single node's too: the
+    # (``broker.session.timeout.ms``, 2 s, is the single node's too: the
     # controller fences a broker whose heartbeats stop that long, then moves its
     # leaderships and drops it from the in-sync replicas, which acks=all writes
     # wait for until then.)

@@ -56,6 +56,51 @@ def test_read_committed_is_set_on_the_consumer_faust_builds(app: faust.App) -> N
     assert "isolation_level=self._isolation_level" in inspect.getsource(AIOKafkaConsumer.start)
 
 
+# --- install_wait_topic_visible -------------------------------------------------------------------
+
+
+def test_topic_creation_returns_once_every_broker_knows_the_topic(app: faust.App) -> None:
+    """A broker that does not know the topic yet is asked again; faust's own
+    creation runs first (here it finds the topic in the client's metadata and
+    skips the request)."""
+    seams.install_wait_topic_visible()
+    seams.install_wait_topic_visible()  # idempotent: wrapped once
+    transport_cls = faust_aiokafka.Transport
+    assert getattr(transport_cls._really_create_topic, "_fraud_patched", False)
+    # faust's create_topic reaches it through _create_topic's stampede wrapper.
+    assert "self._really_create_topic" in inspect.getsource(transport_cls._create_topic)
+
+    asked: list[int] = []
+
+    class Broker:
+        def __init__(self, node: int) -> None:
+            self.nodeId = node
+
+    class Cluster:
+        def topics(self) -> set[str]:
+            return {"t-new"}
+
+        def brokers(self) -> list[Broker]:
+            return [Broker(1), Broker(2)]
+
+    class Response:
+        def __init__(self, known: bool) -> None:
+            self.topics = [(0 if known else 3, "t-new", False, [])]
+
+    class Client:
+        cluster = Cluster()
+
+        async def send(self, node: int, request: Any) -> Response:
+            asked.append(node)
+            return Response(node == 1 or asked.count(2) > 1)
+
+    class Owner:
+        log = faust_aiokafka.logger
+
+    asyncio.run(app.transport._really_create_topic(Owner(), Client(), "t-new", 8, 3))
+    assert asked == [1, 2, 2]
+
+
 # --- cluster_metadata -----------------------------------------------------------------------------
 
 
