@@ -14,7 +14,8 @@ compares the end of the run with its start once warm:
     broker RSS              mean of the last 5 minutes at most 15 % above minutes 2-7's
     nothing lost            every transaction sent got its decision
 
-Minute 1 is warm-up (JIT, caches, first segments) and is in no window. Runs
+Minute 1 is warm-up (JIT, caches, first segments) and is in no window
+(``--warmup-minutes W``: minutes 1-W, the baseline then W+1 to W+6). Runs
 under 12 minutes (smoke tests) compare minutes 2..1+w with the last w, where
 w = max(1, (minutes - 2) // 2). Writes ``soak.json`` and ``soak.png`` to
 ``--out``; exits 1 when the verdict fails.
@@ -110,10 +111,14 @@ def main() -> int:
                              f"(default: {CLUSTER_LABEL_SHARE:g} with --brokers 3, else 0: no feedback worker)")  # fmt: skip
     parser.add_argument("--no-promote", action="store_true",
                         help="--brokers 3: leave the served model alone (default: promote another version mid-run)")  # fmt: skip
+    parser.add_argument("--warmup-minutes", type=int, default=1,
+                        help="minutes of load in no window (JIT, caches, first segments); the baseline follows")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    if args.minutes < 3:
-        parser.error("--minutes must be at least 3: minute 1 is warm-up, then two windows to compare")
+    if args.warmup_minutes < 1:
+        parser.error("--warmup-minutes must be at least 1")
+    if args.minutes < args.warmup_minutes + 2:
+        parser.error("--minutes must be at least --warmup-minutes + 2: the warm-up, then two windows to compare")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     cluster = args.brokers == 3
@@ -122,7 +127,7 @@ def main() -> int:
     label_share = args.label_share if args.label_share is not None else (CLUSTER_LABEL_SHARE if cluster else 0.0)
     promote = cluster and not args.no_promote
     name = "soak-cluster" if cluster else "soak"
-    baseline, last, note = windows(args.minutes)
+    baseline, last, note = windows(args.minutes, args.warmup_minutes)
     promote_at_s = promotion_s(baseline, last) if promote else None
     machine = machine_info()  # before the run: its load average is the machine's, not ours
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp, \
@@ -190,7 +195,8 @@ def main() -> int:
     doc: dict[str, Any] = {
         "machine": machine,
         "settings": {"rate": args.rate, "minutes": args.minutes, "variant": args.variant, "brokers": args.brokers,
-                     "workers": len(workers), "feedback_workers": 1 if feedback else 0, "label_share": label_share},
+                     "workers": len(workers), "feedback_workers": 1 if feedback else 0, "label_share": label_share,
+                     "warmup_minutes": args.warmup_minutes},
         "totals": {key: summary[key] for key in ("sent", "decided", "lost", "achieved_rate", "latency_ms")},
         "per_minute": rows,
         "windows": {"baseline_minutes": list(baseline), "last_minutes": list(last), "note": note, "means": means},
@@ -503,14 +509,17 @@ def _mean(values: Sequence[float | None], digits: int = 3) -> float | None:
     return round(float(np.mean(known)), digits) if known else None
 
 
-def windows(minutes: int) -> tuple[range, range, str | None]:
-    """The baseline (after minute 1's warm-up) and the last window, in minutes."""
-    if minutes >= SHORT_RUN_MINUTES:
-        return BASELINE_MINUTES, range(minutes - LAST_MINUTES + 1, minutes + 1), None
-    # Too short for 2-7 against the last 5 without overlap: two equal halves.
-    w = max(1, (minutes - 2) // 2)
-    baseline, last = range(2, 2 + w), range(minutes - w + 1, minutes + 1)
-    note = f"run under {SHORT_RUN_MINUTES} min: the last {w} against {w} from minute 2, not the last 5 against 2-7"
+def windows(minutes: int, warmup: int = 1) -> tuple[range, range, str | None]:
+    """The baseline (the 6 minutes after ``warmup`` minutes of warm-up) and the
+    last window, in minutes. With the default warm-up: minutes 2-7 and the last 5."""
+    first = warmup + 1
+    if minutes >= SHORT_RUN_MINUTES + warmup - 1:
+        return range(first, first + len(BASELINE_MINUTES)), range(minutes - LAST_MINUTES + 1, minutes + 1), None
+    # Too short for 6 minutes against the last 5 without overlap: two equal halves.
+    w = max(1, (minutes - first) // 2)
+    baseline, last = range(first, first + w), range(minutes - w + 1, minutes + 1)
+    note = (f"run under {SHORT_RUN_MINUTES + warmup - 1} min: the last {w} against {w} from minute {first}, "
+            f"not the last 5 against {first}-{first + len(BASELINE_MINUTES) - 1}")  # fmt: skip
     return baseline, last, note
 
 

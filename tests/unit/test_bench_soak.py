@@ -76,6 +76,21 @@ def test_promotion_falls_after_the_baseline(minutes: int) -> None:
         assert minute not in baseline and minute not in last
 
 
+def test_windows_after_the_default_warm_up() -> None:
+    assert windows(60)[:2] == (range(2, 8), range(56, 61))
+    assert windows(12)[:2] == (range(2, 8), range(8, 13))
+    assert windows(5)[:2] == (range(2, 3), range(5, 6))
+    assert windows(5)[2] is not None and windows(60)[2] is None
+
+
+def test_windows_after_a_longer_warm_up() -> None:
+    assert windows(60, warmup=5)[:2] == (range(6, 12), range(56, 61))
+    assert windows(16, warmup=5)[:2] == (range(6, 12), range(12, 17))
+    baseline, last, note = windows(10, warmup=5)  # too short: two windows after the warm-up
+    assert (baseline, last) == (range(6, 8), range(9, 11))
+    assert note is not None and "minute 6" in note
+
+
 def test_promotion_of_the_hour_is_half_way() -> None:
     baseline, last, _ = windows(60)
     assert promotion_s(baseline, last) == 31 * 60 + 30.0
