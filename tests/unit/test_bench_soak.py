@@ -95,6 +95,8 @@ def test_promotion_of_the_hour_is_half_way() -> None:
     baseline, last, _ = windows(60)
     assert promotion_s(baseline, last) == 31 * 60 + 30.0
     assert minute_of(promotion_s(baseline, last)) == 32
+    baseline, last, _ = windows(60, warmup=5)
+    assert promotion_s(baseline, last) == 33 * 60 + 30.0
 
 
 def test_minute_of() -> None:
