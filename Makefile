@@ -18,6 +18,15 @@ SOAK_RATE ?= 500
 # transactions saturates below 500 TPS on 2 cores (docs/performance.md);
 # SOAK_VARIANT=batched SOAK_RATE=250 soaks the full pipeline.
 SOAK_VARIANT ?= ceiling
+# SOAK_BROKERS=3: the soak on the replicated stack instead (tools/cluster.py):
+# the batched pipeline at SOAK_CLUSTER_RATE with SOAK_WORKERS scoring workers, a
+# feedback worker consuming labels, a model promoted mid-run, the baseline after
+# SOAK_WARMUP minutes (three JVMs warm slower than one); no fault tests
+# (test-cluster has the cluster's). bench/results/soak-cluster.json and .png.
+SOAK_BROKERS ?= 1
+SOAK_CLUSTER_RATE ?= 150
+SOAK_WORKERS ?= 1
+SOAK_WARMUP ?= 5
 # stack-up / stack-status: 1 broker and 1 Redis, or BROKERS=3: a 3-node KRaft
 # cluster and a Redis primary with 2 replicas and 3 Sentinels (tools/cluster.py).
 BROKERS ?= 1
@@ -145,9 +154,14 @@ test-cluster: setup
 # SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and
 # broker RSS must stay flat (bench/soak.py; bench/results/soak.json and .png).
 soak: setup
+ifeq ($(SOAK_BROKERS),3)
+	$(PY) -m bench.soak --brokers 3 --minutes $(SOAK_MINUTES) --rate $(SOAK_CLUSTER_RATE) --workers $(SOAK_WORKERS) \
+	  --warmup-minutes $(SOAK_WARMUP)
+else
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
 	FRAUD_SOAK=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_faults.py
 	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --rate $(SOAK_RATE) --variant $(SOAK_VARIANT)
+endif
 
 clean: stack-down
 	rm -rf .stack data .kafka

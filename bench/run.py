@@ -656,11 +656,23 @@ class WorkerError(RuntimeError):
 class Worker:
     """One worker subprocess on its own topics and consumer group, stopped by PID."""
 
-    def __init__(self, variant: Variant, services: Services, workdir: Path, join: Worker | None = None) -> None:
-        """``join``: a second process in that worker's group, on its topics."""
+    def __init__(
+        self,
+        variant: Variant,
+        services: Services,
+        workdir: Path,
+        join: Worker | None = None,
+        role: str = "score",
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``join``: a second process in that worker's group, on its topics.
+        ``role``: FRAUD_WORKER_ROLE; ``feedback`` joins only the feedback loop's
+        group (on ``join``'s topics), which answers no transactions.
+        ``extra_env``: settings on top of the bench's (e.g. another registry)."""
         from tools import stack
 
         self.variant = variant
+        self.role = role
         self.tag = f"{variant.name}-{uuid.uuid4().hex[:8]}"
         self.group_tag = join.group_tag if join else self.tag
         self.topics = join.topics if join else {
@@ -679,8 +691,9 @@ class Worker:
             **{f"FRAUD_TOPIC_{name.upper()}": topic for name, topic in topics.items()},
             # The decision path as production deploys it: the feedback loop's
             # agents run in their own workers (--role feedback), not here.
-            "FRAUD_WORKER_ROLE": "score",
+            "FRAUD_WORKER_ROLE": role,
             **variant.env(),
+            **(extra_env or {}),
         }
         env = {**os.environ, **ours, "PYTHONUNBUFFERED": "1"}
         # The load generator sees the settings the worker does (same environment),
@@ -718,17 +731,18 @@ class Worker:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
         """Block until "Ready" is logged and a probe transaction got its decision;
         return the seconds since start."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while b"Ready" not in self.log_path.read_bytes():
             if not self.alive():
                 raise WorkerError(f"worker {self.tag} exited ({self.proc.returncode}):\n{self.tail()}")
             if time.monotonic() > deadline:
-                raise WorkerError(f"worker {self.tag} not Ready after {READY_TIMEOUT_S:.0f} s:\n{self.tail()}")
+                raise WorkerError(f"worker {self.tag} not Ready after {timeout_s:.0f} s:\n{self.tail()}")
             time.sleep(0.1)
-        self._probe()
+        if self.role != "feedback":  # a feedback worker decides nothing: no probe to answer
+            self._probe()
         return time.monotonic() - self.started_at
 
     def _probe(self) -> None:

@@ -14,21 +14,38 @@ compares the end of the run with its start once warm:
     broker RSS              mean of the last 5 minutes at most 15 % above minutes 2-7's
     nothing lost            every transaction sent got its decision
 
-Minute 1 is warm-up (JIT, caches, first segments) and is in no window. Runs
+Minute 1 is warm-up (JIT, caches, first segments) and is in no window
+(``--warmup-minutes W``: minutes 1-W, the baseline then W+1 to W+6). Runs
 under 12 minutes (smoke tests) compare minutes 2..1+w with the last w, where
 w = max(1, (minutes - 2) // 2). Writes ``soak.json`` and ``soak.png`` to
 ``--out``; exits 1 when the verdict fails.
+
+``--brokers 3`` soaks the replicated stack instead (``tools/cluster.py``: three
+KRaft nodes, every topic with 3 replicas and min ISR 2, Redis with two replicas
+and three Sentinels), as a deployment runs: ``--workers`` scoring workers, a
+``--role feedback`` worker consuming ``--label-share`` of the transactions'
+labels, and a model version promoted through ``fraud-pipeline models promote``
+in the middle of the run (in a copy of the registry: the project's served
+version does not change). Broker CPU and RSS are the sum of the three nodes
+(each node's RSS is in the JSON too); it writes ``soak-cluster.json`` and
+``soak-cluster.png``, and fails too when the labels were not all consumed or
+the workers did not swap to the promoted version.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +55,17 @@ from bench.run import (
     BATCHED,
     CEILING,
     DATA,
+    READY_TIMEOUT_S,
+    REPO,
     SAMPLE_EVERY_S,
+    Services,
     Worker,
+    WorkerError,
+    _cli,
     _sampler,
     machine_info,
     prepare,
+    proc_cpu_s,
     proc_rss_mb,
     services,
 )  # fmt: skip
@@ -54,6 +77,24 @@ BASELINE_MINUTES = range(2, 8)  # minutes 2-7
 LAST_MINUTES = 5
 SHORT_RUN_MINUTES = 12  # below this the windows shrink (see windows())
 DRAIN_S = 30.0
+#: The cluster soak's defaults: labels for 5 % of transactions (chargebacks and
+#: analyst verdicts arrive for a few), as the feedback loop sees in production.
+CLUSTER_LABEL_SHARE = 0.05
+#: After the load, how long the feedback worker gets to commit the last labels'
+#: offsets (faust commits every few seconds) before they are counted.
+LABELS_SETTLE_S = 15.0
+#: A worker's start on the cluster: faust declares its changelog and repartition
+#: topics (3 replicas each) and its group rebalances as they appear, on cores the
+#: three JVMs share; one start there took over bench.run's 90 s.
+CLUSTER_READY_S = 240.0
+#: NOTE: on the cluster a scoring worker's first start stalled before "Ready"
+#: (twice in two tries): faust creates the merchant tally's changelog topic, the
+#: broker that answers the next metadata request has not learnt of it yet (0
+#: partitions), faust's assignor ignores it, and its consumer only asks again
+#: after consumer_metadata_max_age_ms (faust's default: 5 minutes). Workers here
+#: refresh every 15 s instead (one metadata request, nothing on the decision
+#: path, which is librdkafka's); that was not always enough (see ready()).
+CLUSTER_WORKER_ENV = {"CONSUMER_METADATA_MAX_AGE_MS": "15000"}
 COLUMNS = ("minute", "decided_per_s", "p50_ms", "p99_ms", "broker_cpu_ms_per_message",
            "worker_cpu_ms_per_decision", "broker_rss_mb", "worker_rss_mb", "in_flight")  # fmt: skip
 
@@ -63,70 +104,369 @@ def main() -> int:
     parser.add_argument("--minutes", type=int, default=30)
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="batched")
+    parser.add_argument("--brokers", type=int, choices=(1, 3), default=1,
+                        help="1: one broker and one Redis; 3: the replicated stack (tools/cluster.py)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1, help="scoring workers, in one consumer group")
+    parser.add_argument("--label-share", type=float, default=None,
+                        help=f"share of transactions labelled on `labels`, consumed by a --role feedback worker "
+                             f"(default: {CLUSTER_LABEL_SHARE:g} with --brokers 3, else 0: no feedback worker)")  # fmt: skip
+    parser.add_argument("--no-promote", action="store_true",
+                        help="--brokers 3: leave the served model alone (default: promote another version mid-run)")  # fmt: skip
+    parser.add_argument("--warmup-minutes", type=int, default=1,
+                        help="minutes of load in no window (JIT, caches, first segments); the baseline follows")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    if args.minutes < 3:
-        parser.error("--minutes must be at least 3: minute 1 is warm-up, then two windows to compare")
+    if args.warmup_minutes < 1:
+        parser.error("--warmup-minutes must be at least 1")
+    if args.minutes < args.warmup_minutes + 2:
+        parser.error("--minutes must be at least --warmup-minutes + 2: the warm-up, then two windows to compare")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    cluster = args.brokers == 3
+    if cluster and args.variant != "batched":
+        parser.error("--brokers 3 soaks the scoring pipeline (labels, a promotion): --variant batched")
+    label_share = args.label_share if args.label_share is not None else (CLUSTER_LABEL_SHARE if cluster else 0.0)
+    promote = cluster and not args.no_promote
+    name = "soak-cluster" if cluster else "soak"
+    baseline, last, note = windows(args.minutes, args.warmup_minutes)
+    promote_at_s = promotion_s(baseline, last) if promote else None
     machine = machine_info()  # before the run: its load average is the machine's, not ours
-    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp, services(Path(tmp)) as svc:
-        if "broker" not in svc.pids:
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp, \
+            (cluster_services(Path(tmp)) if cluster else services(Path(tmp))) as svc:  # fmt: skip
+        if not any(_is_broker(n) for n in svc.pids):
             sys.exit("bench.soak measures the broker it starts: unset KAFKA_BOOTSTRAP / FRAUD_KAFKA_BOOTSTRAP")
         prepare(svc)
-        worker = Worker(VARIANTS[args.variant], svc, Path(tmp))
+        extra_env: dict[str, str] = dict(CLUSTER_WORKER_ENV) if cluster else {}
+        promotion: dict[str, Any] | None = None
+        if promote:
+            registry = Path(tmp) / "registry"
+            served, candidate = soak_registry(_registry(), registry)
+            extra_env["FRAUD_REGISTRY_DIR"] = str(registry)
+            promotion = {"from": served, "to": candidate, "minute": minute_of(promote_at_s or 0.0)}
+        workers = [Worker(VARIANTS[args.variant], svc, Path(tmp), extra_env=extra_env)]
+        workers += [Worker(VARIANTS[args.variant], svc, Path(tmp), join=workers[0], extra_env=extra_env)
+                    for _ in range(args.workers - 1)]  # fmt: skip
+        feedback = None
+        if label_share > 0:
+            feedback = Worker(VARIANTS[args.variant], svc, Path(tmp), join=workers[0], role="feedback",
+                              extra_env=extra_env)  # fmt: skip
+        everyone = [*workers, *([feedback] if feedback else [])]
+        promoter = None
         try:
-            worker.wait_ready()
+            for i, worker in enumerate(everyone):
+                everyone[i] = ready(worker, svc, Path(tmp), extra_env, retry=cluster)
+            workers, feedback = everyone[: len(workers)], (everyone[-1] if feedback else None)
+            if promotion is not None and promote_at_s is not None:
+                promoter = Promoter(registry, promotion["to"], promote_at_s)
             cfg = LoadConfig(
                 rate=args.rate, duration_s=args.minutes * 60, drain_s=DRAIN_S, data=DATA, seed=7,
-                report_every_s=SAMPLE_EVERY_S, quiet=True, settings=worker.settings, record_decisions=True,
-                sample=soak_sampler(worker.pid, svc.pids, args.minutes),
+                report_every_s=SAMPLE_EVERY_S, quiet=True, settings=workers[0].settings, record_decisions=True,
+                label_share=label_share,
+                sample=soak_sampler([w.pid for w in workers], feedback.pid if feedback else None, svc.pids,
+                                    args.minutes, promoter),
             )  # fmt: skip
-            print(f"soak: {args.variant} worker, {args.rate:g} TPS offered for {args.minutes} min", flush=True)
+            print(f"soak: {len(workers)} {args.variant} worker(s){' + 1 feedback' if feedback else ''} on "
+                  f"{args.brokers} broker(s), {args.rate:g} TPS offered for {args.minutes} min"
+                  + (f", labels on {label_share:.0%}" if label_share else "")
+                  + (f", promotion at {promote_at_s / 60:.1f} min" if promote_at_s is not None else ""),
+                  flush=True)  # fmt: skip
             summary = asyncio.run(run_load(cfg))
+            labels = None
+            if feedback is not None:
+                time.sleep(LABELS_SETTLE_S)
+                labels = asyncio.run(labels_consumed(workers[0].settings, f"{workers[0].settings.app_id}-feedback"))
+            replication = asyncio.run(topic_replication(workers[0].settings)) if cluster else None
         finally:
-            worker.stop()
+            if promoter is not None:
+                promoter.cancel()
+            for worker in everyone:
+                worker.stop()
+        if promotion is not None and promoter is not None:
+            promotion |= promoter.record()
+            promotion["swapped"] = [
+                swapped_to(w.log_path.read_text(errors="replace"), promotion["to"]) for w in workers
+            ]
 
     rows = per_minute(summary["timeline"], summary["decisions"], args.minutes)
-    baseline, last, note = windows(args.minutes)
     means = {"baseline": window_means(rows, baseline), "last": window_means(rows, last)}
     verdict = judge(means["baseline"], means["last"], summary["lost"])
+    if labels is not None:
+        verdict = extend_verdict(verdict, labels_all_consumed=labels["consumed"] == labels["produced"] > 0)
+    if promotion is not None:
+        verdict = extend_verdict(verdict, promotion_swapped=bool(promotion["swapped"]) and all(promotion["swapped"]))
     doc: dict[str, Any] = {
         "machine": machine,
-        "settings": {"rate": args.rate, "minutes": args.minutes, "variant": args.variant},
+        "settings": {"rate": args.rate, "minutes": args.minutes, "variant": args.variant, "brokers": args.brokers,
+                     "workers": len(workers), "feedback_workers": 1 if feedback else 0, "label_share": label_share,
+                     "warmup_minutes": args.warmup_minutes},
         "totals": {key: summary[key] for key in ("sent", "decided", "lost", "achieved_rate", "latency_ms")},
         "per_minute": rows,
         "windows": {"baseline_minutes": list(baseline), "last_minutes": list(last), "note": note, "means": means},
         "tolerance": TOLERANCE,
         "verdict": verdict,
-    }
+    }  # fmt: skip
+    if cluster:
+        doc["broker_readings"] = "sum of the 3 nodes (broker_rss_mb_by_node: each)"
+        doc["replication"] = replication
+    if labels is not None:
+        doc["labels"] = labels
+    if promotion is not None:
+        doc["promotion"] = promotion
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(doc, indent=1))
-    plot(doc, args.out / "soak.png")
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, args.out / f"{name}.png")
 
     for row in rows:
         print(json.dumps(row))
     print(table(rows))
     print(f"windows: minutes {_span(baseline)} vs {_span(last)}" + (f" ({note})" if note else ""))
-    for name, values in means.items():
-        print(f"  {name:8} " + "  ".join(f"{k} {v}" for k, v in values.items()))
+    for key, values in means.items():
+        print(f"  {key:8} " + "  ".join(f"{k} {v}" for k, v in values.items()))
     t = doc["totals"]
     print(f"sent {t['sent']:,}, decided {t['decided']:,}, lost {t['lost']}")
+    if labels is not None:
+        print(f"labels: produced {labels['produced']:,}, consumed by the feedback worker {labels['consumed']:,}")
+    if promotion is not None:
+        print(f"promotion: {promotion['from']} -> {promotion['to']} at {promotion.get('at_s')} s "
+              f"(minute {promotion['minute']}); workers swapped: {promotion['swapped']}")  # fmt: skip
+    if replication is not None:
+        print("replication: " + ", ".join(f"{k} {v}" for k, v in replication.items()))
     print("verdict: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in verdict.items() if k != "pass"))
-    print(f"soak {'PASSED' if verdict['pass'] else 'FAILED'}; wrote {args.out / 'soak.json'} and soak.png")
+    print(f"soak {'PASSED' if verdict['pass'] else 'FAILED'}; wrote {args.out / name}.json and {name}.png")
     return 0 if verdict["pass"] else 1
 
 
-def soak_sampler(worker_pid: int, pids: Mapping[str, int], minutes: int) -> Callable[[], dict[str, Any]]:
-    """``bench.run``'s sampler plus the broker's RSS; prints one progress line a
-    minute, as the per-minute rows need the whole run's decisions."""
-    base = _sampler(worker_pid, pids)
+# --- the cluster soak's parts ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cluster_services(workdir: Path) -> Iterator[Services]:
+    """The replicated stack on free ports, its state under ``workdir``; on exit
+    exactly the processes it started (its PID files) are stopped."""
+    from tools import cluster
+    from tools import stack as st
+
+    state = workdir / "cluster"
+    try:
+        env = cluster.cluster_up(state, cluster.Cluster.free())
+        pids = {p.stem: pid for p in sorted(state.glob("*.pid")) if (pid := st._read_pid(p)) is not None}
+        yield Services(env["KAFKA_BOOTSTRAP"], env["REDIS_URL"], pids)
+    finally:
+        cluster.cluster_down(state)
+
+
+def ready(worker: Worker, svc: Services, workdir: Path, extra_env: Mapping[str, str], *, retry: bool) -> Worker:
+    """``worker`` once Ready, or with ``retry`` (the cluster), a fresh one on its
+    topics and group in its place when it is not.
+
+    NOTE: on the cluster a worker's first start stalls before "Ready" now and
+    then: faust creates the merchant tally's changelog topic, the broker asked
+    next has 0 partitions for it, faust's assignor ignores it and the group is
+    not rebalanced when later metadata shows them (seen with a 15 s metadata
+    refresh too). A second start finds the topic everywhere."""
+    if not retry:
+        worker.wait_ready(READY_TIMEOUT_S)
+        return worker
+    try:
+        worker.wait_ready(READY_TIMEOUT_S)
+        return worker
+    except WorkerError as exc:
+        print(f"bench: worker {worker.tag} not ready ({str(exc).splitlines()[0]}); starting another", flush=True)
+        worker.stop()
+    fresh = Worker(worker.variant, svc, workdir, join=worker, role=worker.role, extra_env=extra_env)
+    fresh.wait_ready(CLUSTER_READY_S)
+    return fresh
+
+
+def _is_broker(name: str) -> bool:
+    """``broker`` (the single node) or ``broker-<i>`` (a cluster node)."""
+    return name.split("-")[0] == "broker"
+
+
+def _registry() -> Path:
+    from app.settings import Settings
+
+    registry = Settings().registry_dir
+    return registry if registry.is_absolute() else REPO / registry
+
+
+def pick_candidate(versions: Sequence[str], served: str, loadable: Callable[[str], bool]) -> str | None:
+    """The version to promote over ``served``: the newest other one this code can
+    load (version names sort by their creation time), or None."""
+    return next((v for v in sorted(versions, reverse=True) if v != served and loadable(v)), None)
+
+
+def soak_registry(source: Path, dest: Path) -> tuple[str, str]:
+    """A registry for the run in ``dest``: ``source``'s served version, serving,
+    and a candidate to promote: ``source``'s newest other loadable version, else
+    one trained here (registered in ``dest`` only). Returns (served, candidate)."""
+    from app.errors import ModelError
+    from models.registry import current_version, list_versions, read_manifest, set_current, verify
+
+    def loadable(version: str) -> bool:
+        try:
+            verify(source / version, read_manifest(source, version))
+        except ModelError:
+            return False
+        return True
+
+    served = current_version(source)
+    candidate = pick_candidate(list_versions(source), served, loadable)
+    dest.mkdir(parents=True)
+    for version in (served, candidate):
+        if version is not None:
+            shutil.copytree(source / version, dest / version)
+    set_current(dest, served)
+    if candidate is None:
+        print("bench: train (a second version to promote) ...", flush=True)
+        env = dict(os.environ, FRAUD_REGISTRY_DIR=str(dest))
+        subprocess.run([*_cli(), "train", "--data", str(DATA), "--quiet"], cwd=REPO, env=env, check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        candidate = pick_candidate(list_versions(dest), served, lambda v: True)
+        if candidate is None:
+            raise RuntimeError(f"training registered no new version in {dest}")
+    return served, candidate
+
+
+def promotion_s(baseline: range, last: range) -> float:
+    """When to promote, in seconds of load: the middle of the minute halfway
+    between the two windows, so neither compares a minute with a swap in it
+    when the run leaves room (short runs put it in the last window)."""
+    minute = (baseline[-1] + last[0] + 1) // 2
+    return (minute - 1) * 60 + 30.0
+
+
+def minute_of(t_s: float) -> int:
+    """The per-minute row (from 1) that second ``t_s`` of the load falls in."""
+    return int(t_s // 60) + 1
+
+
+class Promoter:
+    """``fraud-pipeline models promote`` against ``registry``, once, when the
+    load's clock passes ``at_s``: the CLI an operator uses, in a thread so the
+    load generator's loop never waits on it."""
+
+    def __init__(self, registry: Path, version: str, at_s: float) -> None:
+        self.registry, self.version, self.at_s = registry, version, at_s
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, Any] = {}
+
+    def due(self, elapsed_s: float) -> None:
+        if self._thread is None and elapsed_s >= self.at_s:
+            self._result["at_s"] = round(elapsed_s, 1)
+            self._thread = threading.Thread(target=self._run, name="soak-promote", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        env = dict(os.environ, FRAUD_REGISTRY_DIR=str(self.registry))
+        argv = [
+            *_cli(),
+            "models",
+            "promote",
+            self.version,
+            "--by",
+            "bench.soak",
+            "--reason",
+            "soak: promoted under load",
+        ]
+        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+        self._result["rc"] = done.returncode
+        self._result["output"] = (done.stdout + done.stderr).strip()[-500:]
+
+    def cancel(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def record(self) -> dict[str, Any]:
+        return dict(self._result) or {"at_s": None, "rc": None, "output": "the load ended before the promotion"}
+
+
+def swapped_to(worker_log: str, version: str) -> bool:
+    """Whether a worker's log says it swapped its model to ``version`` (agents/reload.py)."""
+    return any("now serving:" in line and f"-> {version}" in line for line in worker_log.splitlines())
+
+
+def extend_verdict(verdict: Mapping[str, bool], **checks: bool) -> dict[str, bool]:
+    out = {k: v for k, v in verdict.items() if k != "pass"} | checks
+    out["pass"] = all(out.values())
+    return out
+
+
+async def labels_consumed(settings: Any, group: str) -> dict[str, int]:
+    """Labels on ``labels`` (its end offsets: the load generator's plain
+    producer writes no transaction markers) and the feedback group's committed
+    offsets there: equal when every label was consumed."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from app.topics import kafka_auth
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
+    await admin.start()
+    await consumer.start()
+    try:
+        parts = consumer.partitions_for_topic(settings.topic_labels) or set()
+        if not parts:
+            await consumer._client.force_metadata_update()  # first call: no metadata yet
+            parts = consumer.partitions_for_topic(settings.topic_labels) or set()
+        tps = [TopicPartition(settings.topic_labels, p) for p in sorted(parts)]
+        ends = await consumer.end_offsets(tps)
+        committed = await admin.list_consumer_group_offsets(group)
+    finally:
+        await consumer.stop()
+        await admin.close()
+    done = sum(meta.offset for tp, meta in committed.items() if tp.topic == settings.topic_labels and meta.offset > 0)
+    return {"produced": int(sum(ends.values())), "consumed": int(done)}
+
+
+async def topic_replication(settings: Any) -> dict[str, str]:
+    """Each of the run's topics: its replication factor and the smallest in-sync
+    replica set seen (after the load: all 3 when no broker fell behind)."""
+    from tools.cluster import describe_partitions
+
+    names = [settings.topic_transactions, settings.topic_decisions, settings.topic_feedback, settings.topic_labels]
+    described = await describe_partitions(settings, names)
+    return {topic: f"RF {min(len(p['replicas']) for p in parts)}, ISR >= {min(len(p['isr']) for p in parts)}"
+            for topic, parts in described.items()}  # fmt: skip
+
+
+# --- readings ------------------------------------------------------------------------
+
+
+def soak_sampler(
+    worker_pids: Sequence[int],
+    feedback_pid: int | None,
+    pids: Mapping[str, int],
+    minutes: int,
+    promoter: Promoter | None = None,
+) -> Callable[[], dict[str, Any]]:
+    """``bench.run``'s sampler, summed over the scoring workers (``cpu_s``,
+    ``rss_mb``) and over the brokers (``broker_cpu_s``, ``broker_rss_mb``), plus
+    the feedback worker's and each broker's RSS. Prints one progress line a
+    minute, as the per-minute rows need the whole run's decisions; fires the
+    promotion when its time comes (the load's clock runs from the first sample)."""
+    brokers = sorted(name for name in pids if _is_broker(name))
+    base = _sampler(worker_pids[0], pids)
     started = time.monotonic()
     shown = 0
 
     def sample() -> dict[str, Any]:
         nonlocal shown
-        out = base()
-        out["broker_rss_mb"] = proc_rss_mb(pids["broker"])
-        elapsed = int((time.monotonic() - started) // 60)
+        out: dict[str, Any] = base()
+        out["cpu_s"] = total([proc_cpu_s(pid) for pid in worker_pids])
+        out["rss_mb"] = total([proc_rss_mb(pid) for pid in worker_pids])
+        if feedback_pid is not None:
+            out["feedback_cpu_s"], out["feedback_rss_mb"] = proc_cpu_s(feedback_pid), proc_rss_mb(feedback_pid)
+        rss = [proc_rss_mb(pids[name]) for name in brokers]
+        out["broker_cpu_s"] = total([out.get(f"{name}_cpu_s") for name in brokers])
+        out["broker_rss_mb"] = total(rss)
+        if len(brokers) > 1:
+            out["broker_rss_mb_by_node"] = rss
+        elapsed_s = time.monotonic() - started
+        if promoter is not None:
+            promoter.due(elapsed_s)
+        elapsed = int(elapsed_s // 60)
         if elapsed > shown:
             shown = elapsed
             worker_mb, broker_mb = (_mean([out[key]], digits=0) for key in ("rss_mb", "broker_rss_mb"))
@@ -135,6 +475,14 @@ def soak_sampler(worker_pid: int, pids: Mapping[str, int], minutes: int) -> Call
         return out
 
     return sample
+
+
+def total(values: Sequence[float | None]) -> float | None:
+    """The sum of processes' readings; None when any is missing (a process gone
+    or unreadable), so a partial sum never passes for the whole."""
+    if not values or any(v is None for v in values):
+        return None
+    return float(sum(v for v in values if v is not None))
 
 
 def per_minute(
@@ -164,6 +512,14 @@ def per_minute(
             "worker_rss_mb": _mean([e.get("rss_mb") for e in samples], digits=1),
             "in_flight": b["in_flight"],
         })  # fmt: skip
+        # The cluster soak's extra readings, only when sampled: the single-broker
+        # rows keep their columns.
+        if any("feedback_cpu_s" in e for e in samples):
+            rows[-1]["feedback_cpu_ms_per_decision"] = _ms_per(a, b, "feedback_cpu_s", decided)
+            rows[-1]["feedback_rss_mb"] = _mean([e.get("feedback_rss_mb") for e in samples], digits=1)
+        by_node = [e["broker_rss_mb_by_node"] for e in samples if e.get("broker_rss_mb_by_node")]
+        if by_node:
+            rows[-1]["broker_rss_mb_by_node"] = [_mean(list(node), digits=1) for node in zip(*by_node, strict=True)]
     return rows
 
 
@@ -178,14 +534,17 @@ def _mean(values: Sequence[float | None], digits: int = 3) -> float | None:
     return round(float(np.mean(known)), digits) if known else None
 
 
-def windows(minutes: int) -> tuple[range, range, str | None]:
-    """The baseline (after minute 1's warm-up) and the last window, in minutes."""
-    if minutes >= SHORT_RUN_MINUTES:
-        return BASELINE_MINUTES, range(minutes - LAST_MINUTES + 1, minutes + 1), None
-    # Too short for 2-7 against the last 5 without overlap: two equal halves.
-    w = max(1, (minutes - 2) // 2)
-    baseline, last = range(2, 2 + w), range(minutes - w + 1, minutes + 1)
-    note = f"run under {SHORT_RUN_MINUTES} min: the last {w} against {w} from minute 2, not the last 5 against 2-7"
+def windows(minutes: int, warmup: int = 1) -> tuple[range, range, str | None]:
+    """The baseline (the 6 minutes after ``warmup`` minutes of warm-up) and the
+    last window, in minutes. With the default warm-up: minutes 2-7 and the last 5."""
+    first = warmup + 1
+    if minutes >= SHORT_RUN_MINUTES + warmup - 1:
+        return range(first, first + len(BASELINE_MINUTES)), range(minutes - LAST_MINUTES + 1, minutes + 1), None
+    # Too short for 6 minutes against the last 5 without overlap: two equal halves.
+    w = max(1, (minutes - first) // 2)
+    baseline, last = range(first, first + w), range(minutes - w + 1, minutes + 1)
+    note = (f"run under {SHORT_RUN_MINUTES + warmup - 1} min: the last {w} against {w} from minute {first}, "
+            f"not the last 5 against {first}-{first + len(BASELINE_MINUTES) - 1}")  # fmt: skip
     return baseline, last, note
 
 
@@ -268,11 +627,16 @@ def plot(doc: Mapping[str, Any], out: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     cpu.set_ylim(bottom=0)
+    promotion = doc.get("promotion") or {}
+    if promotion.get("at_s") is not None:
+        for ax in (lat, mem):
+            ax.axvline(promotion["at_s"] / 60, color="black", ls="--", lw=1, label=f"promoted {promotion['to']}")
     handles = [h for ax in (lat, cpu) for h in ax.get_legend_handles_labels()[0]]
     lat.legend(handles, [str(h.get_label()) for h in handles], loc="lower right", fontsize=8)
     s, v = doc["settings"], doc["verdict"]
     lat.set_title(
-        f"soak: {s['variant']} worker, {s['rate']:g} TPS offered, {s['minutes']} min, "
+        f"soak: {s.get('workers', 1)} {s['variant']} worker(s), {s.get('brokers', 1)} broker(s), "
+        f"{s['rate']:g} TPS offered, {s['minutes']} min, "
         f"{doc['machine']['cores']} cores: {'passed' if v['pass'] else 'FAILED'}",
         fontsize=10,
     )
