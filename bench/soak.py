@@ -60,7 +60,6 @@ from bench.run import (
     SAMPLE_EVERY_S,
     Services,
     Worker,
-    WorkerError,
     _cli,
     _sampler,
     machine_info,
@@ -87,14 +86,6 @@ LABELS_SETTLE_S = 15.0
 #: topics (3 replicas each) and its group rebalances as they appear, on cores the
 #: three JVMs share; one start there took over bench.run's 90 s.
 CLUSTER_READY_S = 240.0
-#: NOTE: on the cluster a scoring worker's first start stalled before "Ready"
-#: (twice in two tries): faust creates the merchant tally's changelog topic, the
-#: broker that answers the next metadata request has not learnt of it yet (0
-#: partitions), faust's assignor ignores it, and its consumer only asks again
-#: after consumer_metadata_max_age_ms (faust's default: 5 minutes). Workers here
-#: refresh every 15 s instead (one metadata request, nothing on the decision
-#: path, which is librdkafka's); that was not always enough (see ready()).
-CLUSTER_WORKER_ENV = {"CONSUMER_METADATA_MAX_AGE_MS": "15000"}
 COLUMNS = ("minute", "decided_per_s", "p50_ms", "p99_ms", "broker_cpu_ms_per_message",
            "worker_cpu_ms_per_decision", "broker_rss_mb", "worker_rss_mb", "in_flight")  # fmt: skip
 
@@ -136,7 +127,7 @@ def main() -> int:
         if not any(_is_broker(n) for n in svc.pids):
             sys.exit("bench.soak measures the broker it starts: unset KAFKA_BOOTSTRAP / FRAUD_KAFKA_BOOTSTRAP")
         prepare(svc)
-        extra_env: dict[str, str] = dict(CLUSTER_WORKER_ENV) if cluster else {}
+        extra_env: dict[str, str] = {}
         promotion: dict[str, Any] | None = None
         if promote:
             registry = Path(tmp) / "registry"
@@ -153,9 +144,8 @@ def main() -> int:
         everyone = [*workers, *([feedback] if feedback else [])]
         promoter = None
         try:
-            for i, worker in enumerate(everyone):
-                everyone[i] = ready(worker, svc, Path(tmp), extra_env, retry=cluster)
-            workers, feedback = everyone[: len(workers)], (everyone[-1] if feedback else None)
+            for worker in everyone:
+                worker.wait_ready(CLUSTER_READY_S if cluster else READY_TIMEOUT_S)
             if promotion is not None and promote_at_s is not None:
                 promoter = Promoter(registry, promotion["to"], promote_at_s)
             cfg = LoadConfig(
@@ -253,29 +243,6 @@ def cluster_services(workdir: Path) -> Iterator[Services]:
         yield Services(env["KAFKA_BOOTSTRAP"], env["REDIS_URL"], pids)
     finally:
         cluster.cluster_down(state)
-
-
-def ready(worker: Worker, svc: Services, workdir: Path, extra_env: Mapping[str, str], *, retry: bool) -> Worker:
-    """``worker`` once Ready, or with ``retry`` (the cluster), a fresh one on its
-    topics and group in its place when it is not.
-
-    NOTE: on the cluster a worker's first start stalls before "Ready" now and
-    then: faust creates the merchant tally's changelog topic, the broker asked
-    next has 0 partitions for it, faust's assignor ignores it and the group is
-    not rebalanced when later metadata shows them (seen with a 15 s metadata
-    refresh too). A second start finds the topic everywhere."""
-    if not retry:
-        worker.wait_ready(READY_TIMEOUT_S)
-        return worker
-    try:
-        worker.wait_ready(READY_TIMEOUT_S)
-        return worker
-    except WorkerError as exc:
-        print(f"bench: worker {worker.tag} not ready ({str(exc).splitlines()[0]}); starting another", flush=True)
-        worker.stop()
-    fresh = Worker(worker.variant, svc, workdir, join=worker, role=worker.role, extra_env=extra_env)
-    fresh.wait_ready(CLUSTER_READY_S)
-    return fresh
 
 
 def _is_broker(name: str) -> bool:

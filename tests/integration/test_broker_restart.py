@@ -30,6 +30,7 @@ import pandas as pd
 import pytest
 import redis
 from workers import (
+    CLUSTER,
     Collector,
     Msg,
     Topics,
@@ -46,7 +47,6 @@ from workers import (
 from tools import stack
 from tools.materialize import materialize
 
-CLUSTER = os.environ.get("FRAUD_CLUSTER", "").strip() not in ("", "0", "false")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(400),

@@ -23,13 +23,13 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from workers import CLUSTER
 
 from app.redis_keys import profile_key
 from app.settings import Settings
 from app.topics import topic_partitions
 from tools import cluster, kafka_secure, stack
 
-CLUSTER = os.environ.get("FRAUD_CLUSTER", "").strip() not in ("", "0", "false")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(300),

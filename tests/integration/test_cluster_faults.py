@@ -47,6 +47,7 @@ import pandas as pd
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from workers import (
+    CLUSTER,
     Collector,
     Msg,
     Topics,
@@ -65,7 +66,6 @@ from app.settings import Settings
 from tools import cluster, redis_ha
 from tools.materialize import materialize
 
-CLUSTER = os.environ.get("FRAUD_CLUSTER", "").strip() not in ("", "0", "false")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(600),

@@ -22,7 +22,19 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
-from workers import Collector, Topics, TxFactory, Workers, make_producer, report, send_paced, tally, tx_msg, worker_env
+from workers import (
+    CLUSTER,
+    Collector,
+    Topics,
+    TxFactory,
+    Workers,
+    make_producer,
+    report,
+    send_paced,
+    tally,
+    tx_msg,
+    worker_env,
+)
 
 from agents.feedback import quality_store
 from app.redis_client import async_client, sync_client
@@ -35,7 +47,6 @@ from pipeline.validate import validate
 from tools import redis_ha, stack
 from tools.materialize import materialize
 
-CLUSTER = os.environ.get("FRAUD_CLUSTER", "").strip() not in ("", "0", "false")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
