@@ -35,6 +35,7 @@ from agents.feedback import install_feedback_loop
 from agents.metrics import WorkerMetrics
 from agents.reload import Reloader
 from agents.tally import install_merchant_tally
+from agents.watchdog import LoopWatchdog
 from app import redis_client
 from app.contract import Transaction
 from app.eos import ExactlyOnce, TakenBatch
@@ -179,6 +180,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def score() -> None:
         scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
         loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings)
+        watchdog = LoopWatchdog(settings.loop_stall_exit_s)
+        loop.on_step = watchdog.beat
         try:
             await scorer.warm_up()
             await reloader.apply(scorer)  # the shadow and drift reference, if any
@@ -190,6 +193,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 "scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id
             )
             freeze_startup_heap()
+            watchdog.start(asyncio.get_running_loop())  # a step that never ends: stacks, then exit
             await loop.run()
         except asyncio.CancelledError:
             raise
@@ -199,6 +203,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             log.critical("the scoring loop failed; exiting so the worker is restarted", exc_info=True)
             os._exit(70)
         finally:
+            watchdog.stop()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(loop.drain(), 10.0)
             with contextlib.suppress(BaseException):
@@ -260,10 +265,13 @@ class ScoringLoop:
         self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
         self._last_take = time.monotonic()
         self._phase = {phase: metrics.loop_seconds.labels(phase) for phase in ("take", "score", "send", "commit")}
+        #: Called after every step (agents/watchdog.py: a loop that stops stepping exits).
+        self.on_step: Callable[[], None] = lambda: None
 
     async def run(self) -> None:
         while True:
             await self.step()
+            self.on_step()
 
     async def step(self) -> None:
         """One batch (or none, after ``FRAUD_BATCH_WINDOW_S``), then a commit when one is due."""

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,17 @@ TXN_CALL_TIMEOUT_S = 10.0
 
 #: Tries of a commit whose error librdkafka says may be retried as is.
 COMMIT_RETRIES = 3
+
+#: How long ``send_offsets_to_transaction`` may take before it is given up
+#: as hung. NOTE: librdkafka (2.16 and earlier) can block in it far past its
+#: timeout when the group's coordinator broker is lost (its coordinator
+#: requests never check their deadline: librdkafka issues 5456 and 5511,
+#: open): a worker stuck there stops deciding yet stays in the group, and the
+#: group cannot finish a rebalance without it. So the call runs on a thread
+#: of its own, waited for this long (RELIABILITY.md, the cluster fault test):
+#: longer than a coordinator's failover took there (2-4 s); past it, a new
+#: producer (whose new epoch aborts the transaction) costs less than the wait.
+OFFSETS_HUNG_S = 5.0
 
 #: (topic, key, value, headers): one record to produce.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
@@ -166,6 +178,9 @@ class ExactlyOnce:
         self._producer_factory = producer_factory or (lambda c: _kafka().Producer(c))
         # One thread: librdkafka's blocking calls, in the order they were made.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eos")
+        # send_offsets_to_transaction's own (OFFSETS_HUNG_S): a hung call keeps it.
+        self._offsets_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eos-offsets")
+        self.offsets_hung_s = OFFSETS_HUNG_S
         self._consumer: Any = None
         self._producer: Any = None
         self.assigned: set[int] = set()
@@ -205,6 +220,7 @@ class ExactlyOnce:
             await self._call(self._close)
         finally:
             self._thread.shutdown(wait=False)
+            self._offsets_thread.shutdown(wait=False)
 
     def _close(self) -> None:
         if self._consumer is not None:
@@ -367,9 +383,19 @@ class ExactlyOnce:
             return "fenced"
         try:
             offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in txn.next_offsets.items()]
-            producer.send_offsets_to_transaction(offsets, self._consumer.consumer_group_metadata(), TXN_CALL_TIMEOUT_S)
+            self._send_offsets(producer, offsets, self._consumer.consumer_group_metadata())
         except kafka.KafkaException as exc:
             return self._recover(txn, exc.args[0] if exc.args else None)
+        except FutureTimeout:
+            # Left hung on its thread: only a new producer (a new epoch, which
+            # aborts this transaction) can go on; the records come again.
+            log.warning(
+                "sending the offsets of partitions %s hung for %.0f s (the group coordinator lost): "
+                "the transaction is abandoned",
+                sorted(txn.first),
+                self.offsets_hung_s,
+            )
+            return self._recover(txn, None)
         for attempt in range(COMMIT_RETRIES):
             try:
                 producer.commit_transaction(TXN_CALL_TIMEOUT_S)
@@ -383,6 +409,20 @@ class ExactlyOnce:
                     continue  # librdkafka: a retriable commit error may be retried as is
                 return self._recover(txn, err)
         raise AssertionError("unreachable")
+
+    def _send_offsets(self, producer: Any, offsets: list[Any], group_metadata: Any) -> None:
+        """``send_offsets_to_transaction``, given up after ``offsets_hung_s``
+        (raises concurrent.futures.TimeoutError): see OFFSETS_HUNG_S."""
+        call = self._offsets_thread.submit(
+            producer.send_offsets_to_transaction, offsets, group_metadata, TXN_CALL_TIMEOUT_S
+        )
+        try:
+            call.result(self.offsets_hung_s)
+        except FutureTimeout:
+            # Its thread stays blocked in librdkafka; the next call gets a new one.
+            self._offsets_thread.shutdown(wait=False)
+            self._offsets_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eos-offsets")
+            raise
 
     def _recover(self, txn: _OpenTransaction, err: Any) -> str:
         """After a transaction that did not commit: abort it, or start a new

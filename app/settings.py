@@ -264,6 +264,13 @@ class Settings(BaseSettings):
     interval instead of once per batch (docs/performance.md). 0: every batch
     commits on its own."""
 
+    loop_stall_exit_s: float = 120.0
+    """A scoring loop that has not finished a step in this long is stuck where
+    no timeout reaches (every step's waits are bounded far below it): the
+    worker logs every thread's stack at a third of it and exits (status 70) at
+    it, so it is restarted and the group moves its partitions; its open
+    transaction is aborted, as after a crash. 0: never."""
+
     model_budget_ms: float = 50.0
     """Ensemble latency budget per batch; past it decisions fall back to rules."""
 

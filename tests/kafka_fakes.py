@@ -28,6 +28,7 @@ Errors are injected per call (``commit_errors`` and friends: each entry is a
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ class FakeKafka:
         self.init_errors: list[KafkaError] = []
         self.produce_errors: list[KafkaError] = []
         self.offsets_errors: list[KafkaError] = []
+        #: When set, send_offsets_to_transaction blocks until it is released, past
+        #: any timeout: librdkafka's behaviour with its group coordinator lost.
+        self.offsets_hang: threading.Event | None = None
         self.commit_errors: list[KafkaError] = []
         self.committed_errors: list[KafkaError] = []
         self.producers: list[FakeProducer] = []
@@ -330,6 +334,9 @@ class FakeProducer:
         self, positions: list[TopicPartition], group_metadata: GroupMetadata, timeout: float | None = None
     ) -> None:
         txn = self._open()
+        if self.kafka.offsets_hang is not None:
+            self.kafka.offsets_hang.wait()
+            txn = self._open()  # fenced meanwhile, most likely
         if self.kafka.offsets_errors:
             err = self.kafka.offsets_errors.pop(0)
             txn.must_abort = err.txn_requires_abort()

@@ -78,9 +78,9 @@ LOAD_S = 90.0
 BROKER_AT_S = 15.0
 #: The earliest the coordinator is killed: it also waits for the first node to be back in sync.
 COORDINATOR_AT_S = 40.0
-#: The earliest the Redis primary is killed: it also waits for the coordinator's
-#: node to be restarted (not for it to be in sync: a node restarted under load
-#: took ~20 s to rejoin every ISR here, and the load is 90 s).
+#: When the Redis primary is killed: while the coordinator's node restarts
+#: (a node restarted under load took 10-30 s to be back here, and the load is
+#: 90 s), so this fault always meets the load.
 REDIS_AT_S = 72.0
 DOWN_S = 10.0
 #: The acceptance: losing any one broker or the coordinator leaves no longer gap in decisions.
@@ -240,7 +240,9 @@ def test_a_broker_the_coordinator_and_the_redis_primary_lost_under_load(
                 await kill_node(await _leader_of_most(settings, topics.transactions), "broker")
                 await in_sync("broker")
                 await asyncio.sleep(max(0.0, begin + COORDINATOR_AT_S - time.monotonic()))
-                await kill_node(await _coordinator(up.bootstrap, txid), "coordinator")
+                # Restarted in the background: a node takes 10-30 s to be back on
+                # these cores, and the Redis primary must die under load, on time.
+                coordinator = asyncio.create_task(kill_node(await _coordinator(up.bootstrap, txid), "coordinator"))
                 await asyncio.sleep(max(0.0, begin + REDIS_AT_S - time.monotonic()))
                 old, index = await asyncio.to_thread(_redis_primary, up)
                 os.kill(up.pid(f"redis-{index}"), signal.SIGKILL)
@@ -249,10 +251,17 @@ def test_a_broker_the_coordinator_and_the_redis_primary_lost_under_load(
                 at["redis_promoted"] = time.time()
                 await load
                 at["load_end"] = time.time()
+                await coordinator
                 await in_sync("coordinator")
             finally:
                 await producer.stop()
-            await col.wait_all(sent, 150)
+            if await col.wait_all(sent, 30, settle=0) >= 30:
+                # Still waiting: every worker prints its threads' and tasks' stacks
+                # (faust's SIGUSR1) into its log, kept in tmp_path, for a stuck one.
+                for w in started:
+                    if w.alive():
+                        os.kill(w.pid, signal.SIGUSR1)
+                await col.wait_all(sent, 120)
             # The Redis failover is followed in place: the same three processes throughout.
             assert all(w.alive() for w in started), workers.logs()
             return col

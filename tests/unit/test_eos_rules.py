@@ -5,6 +5,7 @@ way a transaction can end."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -203,6 +204,35 @@ def test_offsets_refused_by_the_group_abort_the_transaction() -> None:
         assert taken(again) == taken(batch)
 
     run(kafka, body)
+
+
+def test_offsets_that_hang_past_their_timeout_abandon_the_transaction_for_a_new_producer() -> None:
+    # librdkafka can block in send_offsets_to_transaction with the group's
+    # coordinator lost, whatever its timeout: the worker must go on without it.
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+    kafka.offsets_hang = threading.Event()
+
+    async def body(s: ExactlyOnce) -> None:
+        s.offsets_hung_s = 0.2
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        assert await asyncio.wait_for(s.commit(), 5.0) == [(1, "aborted")]
+        assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        again = await take(s)
+        assert taken(again) == taken(batch)
+        kafka.offsets_hang = None
+        await s.send(again, echo(again))
+        assert await s.commit() == [(2, "committed")]
+
+    hung = kafka.offsets_hang
+    try:
+        run(kafka, body)
+    finally:
+        hung.set()  # the abandoned call returns (fenced) on its own thread
+    assert len(kafka.producers) == 2  # replaced: a new epoch aborted the hung transaction
+    assert seen(kafka) == [b"p0-0", b"p0-1"]  # once
+    assert kafka.committed(GROUP, TOPIC) == {0: 2}
 
 
 @pytest.mark.parametrize("how", ["fatal error", "id taken by a new producer"])
