@@ -66,10 +66,11 @@ COMMIT_RETRIES = 3
 #: requests never check their deadline: librdkafka issues 5456 and 5511,
 #: open): a worker stuck there stops deciding yet stays in the group, and the
 #: group cannot finish a rebalance without it. So the call runs on a thread
-#: of its own, waited for this long (RELIABILITY.md, the cluster fault test):
-#: longer than a coordinator's failover took there (2-4 s); past it, a new
-#: producer (whose new epoch aborts the transaction) costs less than the wait.
-OFFSETS_HUNG_S = 5.0
+#: of its own, waited for this long (RELIABILITY.md, the cluster fault test).
+#: A call that takes longer has met a group coordinator that is down; a new
+#: producer (whose new epoch aborts the transaction: its records come again)
+#: costs less than waiting: the hang also holds up the group's rebalance.
+OFFSETS_HUNG_S = 3.0
 
 #: (topic, key, value, headers): one record to produce.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
