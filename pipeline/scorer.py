@@ -57,6 +57,23 @@ DLQ_PREFIX_BYTES = 4096
 MAX_DLQ_HEADERS = 64
 MAX_HEADER_NAME = 256
 SCORE_BINS = np.linspace(0.0, 1.0, 11)
+_SCORE_BIN_LABELS = SCORE_BINS.round(2).tolist()
+
+
+def score_histogram(scores: np.ndarray) -> list[int]:
+    """``np.histogram(scores, SCORE_BINS)[0]``, for a fraction of its cost.
+
+    NOTE: np.histogram checks and sorts its way to the bins on every call:
+    on a batch of one that was ~6 % of the scoring stage's CPU. The bins are
+    fixed, so a search and a count do: each bin half-open except the last,
+    which holds 1.0; values outside [0, 1] (or NaN) are not counted, as there.
+    """
+    values = np.asarray(scores, dtype=np.float64)
+    idx = np.searchsorted(SCORE_BINS, values, side="right") - 1
+    idx[values == SCORE_BINS[-1]] = len(SCORE_BINS) - 2
+    inside = (idx >= 0) & (idx < len(SCORE_BINS) - 1)
+    counts: list[int] = np.bincount(idx[inside], minlength=len(SCORE_BINS) - 1).tolist()
+    return counts
 PROVISIONAL_REASON = (
     "provisional: the decision cache could not be read, so a resend could not be ruled out (never approves)"
 )
@@ -474,7 +491,7 @@ class Scorer:
             doc["shadow"] = {"model_version": work.model.version, "fraud_score": round(score, 6), "action": action}
             key, _ = out.feedback[work.feedback_at[i]]
             out.feedback[work.feedback_at[i]] = (key, orjson.dumps(doc))
-        hist = np.histogram(scores, SCORE_BINS)[0].tolist()
+        hist = score_histogram(scores)
         out.extra_monitoring.append(orjson.dumps({
             "kind": "shadow",
             "at": self.wall_clock(),
@@ -484,7 +501,7 @@ class Scorer:
             "shadow_ms": shadow_ms,
             "shadow_skipped_batches": self.shadow_skipped,
             "served_to_shadow_actions": dict(actions),
-            "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+            "score_histogram": {"bins": _SCORE_BIN_LABELS, "counts": hist},
         }))  # fmt: skip
 
     async def _admit(
@@ -695,7 +712,7 @@ class Scorer:
     def _monitoring(
         self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None, degraded_reason: str | None
     ) -> dict[str, Any]:
-        hist = np.histogram(scores, SCORE_BINS)[0].tolist() if scores is not None and len(scores) else []
+        hist = score_histogram(scores) if scores is not None and len(scores) else []
         return {
             "kind": "batch",
             "at": self.wall_clock(),
@@ -705,7 +722,7 @@ class Scorer:
             "counts": dict(stats),
             "degraded_reason": degraded_reason,
             "stage_ms": clock.ms,
-            "score_histogram": {"bins": SCORE_BINS.round(2).tolist(), "counts": hist},
+            "score_histogram": {"bins": _SCORE_BIN_LABELS, "counts": hist},
         }
 
 
