@@ -203,14 +203,6 @@ class BatchAnswer:
     be read (``enrich_error`` says why)."""
     enrich_error: FeatureStoreError | None = None
 
-    @property
-    def admitted(self) -> list[int]:
-        """The first copies admitted, in order: whom ``enrichments`` are for."""
-        return [
-            i for i, (hit, follows, verdict) in enumerate(zip(self.hits, self.follows, self.verdicts))
-            if hit is None and follows is None and verdict is None
-        ]  # fmt: skip
-
 
 @dataclass(slots=True)
 class _Call:
