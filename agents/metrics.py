@@ -199,10 +199,12 @@ class WorkerMetrics:
             self._versions = versions
 
     def instrument(self, scorer: Scorer) -> Scorer:
-        """Time the scorer's Redis round trips (store, cache, replay guard, limiter)."""
+        """Time the scorer's Redis round trips (store, cache, replay guard, limiter, the one-call lookup)."""
         scorer.store = _Timed(scorer.store, self, {"enrich": "enrich"})  # type: ignore[assignment]
         cache_ops = {"get_many": "cache_get", "put_many": "cache_put"}
         scorer.cache = _Timed(scorer.cache, self, cache_ops)  # type: ignore[assignment]
+        if scorer.lookup is not None:  # the three above in one call (pipeline/redis_batch.py)
+            scorer.lookup = _Timed(scorer.lookup, self, {"look_up": "batch_lookup"})
         admission = scorer.admission
         if admission is not None:
             if admission.replay is not None:

@@ -52,6 +52,7 @@ from pipeline.feature_store import RedisFeatureStore
 from pipeline.labels import MerchantTally
 from pipeline.model import ScoringModel
 from pipeline.ratelimit import RedisRateLimiter
+from pipeline.redis_batch import RedisBatchLookup
 from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
 from pipeline.validate import Limits
@@ -96,16 +97,21 @@ class Runtime:
         """Redis clients need the running loop: call this inside the agent."""
         s = self.settings
         client = redis_client.async_client(s)  # one server or a Redis Cluster
+        admission = self.admission(client)
+        store = RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s)
+        cache = LocalFirstCache(
+            RedisDecisionCache(client, s.decision_cache_ttl_s),
+            ttl_s=s.decision_cache_ttl_s,
+            wait_s=s.cache_wait_s,
+        )
         return Scorer(
-            admission=self.admission(client),
+            admission=admission,
             model=self.model,
             rules=self.rules,
-            store=RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s),
-            cache=LocalFirstCache(
-                RedisDecisionCache(client, s.decision_cache_ttl_s),
-                ttl_s=s.decision_cache_ttl_s,
-                wait_s=s.cache_wait_s,
-            ),
+            store=store,
+            cache=cache,
+            # One server: cache, admission and enrichment in one call per batch (None on a cluster).
+            lookup=RedisBatchLookup.build(client, cache, store, admission),
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,

@@ -7,6 +7,7 @@
     │   ├── ModelNotFound        no such version in the registry
     │   └── ModelIntegrityError  a checksum or the feature list does not match
     ├── FeatureStoreError        the online store failed; decisions degrade
+    ├── BatchLookupError         the batch's one Redis call failed; the separate calls take over
     └── StackError               a local service did not start or become ready
 
 Validation problems are not exceptions: a bad transaction is an expected input,
@@ -16,6 +17,7 @@ returned as a :class:`pipeline.validate.Rejection` value.
 from __future__ import annotations
 
 __all__ = [
+    "BatchLookupError",
     "ConfigError",
     "FeatureStoreError",
     "FraudPipelineError",
@@ -74,6 +76,15 @@ class ModelIntegrityError(ModelError):
 
 class FeatureStoreError(FraudPipelineError):
     """The online feature store could not be read or written."""
+
+
+class BatchLookupError(FraudPipelineError):
+    """The batch's one Redis call (cache, admission, enrichment) failed or made no sense."""
+
+    def __init__(self, size: int, reason: str) -> None:
+        super().__init__(f"one-call lookup of {size} transactions: {reason}")
+        self.size = size
+        self.reason = reason
 
 
 class StackError(FraudPipelineError):

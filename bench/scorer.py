@@ -2,6 +2,11 @@
 registered model, no Kafka. Prints wall time per batch and CPU per transaction,
 per stage, for batch sizes 1 / 8 / 32 (``python -m bench.scorer``).
 
+Built as the worker builds it (agents/score.py): signed messages, admission
+with the replay guard and the settings' rate limits, the local-first decision
+cache. ``--lookup combined separate`` compares the batch's one Redis call
+(pipeline/redis_batch.py) with the separate calls, batch by batch in turn.
+
 Why: the end-to-end benchmark (bench/run.py) mixes faust, the broker and the
 load generator on the same cores; this isolates what the pipeline's own code
 costs per transaction, so a change to it can be measured on a busy machine
@@ -15,7 +20,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +29,12 @@ import orjson
 from app.redis_client import BATCH_TIMEOUT_S, async_client, sync_client
 from app.settings import Settings
 from models.registry import load_ensemble
-from pipeline.cache import RedisDecisionCache
+from pipeline.admission import Admission
+from pipeline.auth import ClientKeys, RedisReplayGuard, sign
+from pipeline.cache import LocalFirstCache, RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
+from pipeline.ratelimit import RedisRateLimiter
+from pipeline.redis_batch import RedisBatchLookup
 from pipeline.rules import load_rules
 from pipeline.scorer import Inbound, Scorer
 from tools import stack
@@ -39,59 +48,94 @@ def _settings(redis_url: str) -> Settings:
     return Settings(redis_url=redis_url, redis_cluster=False)
 
 
+BENCH_CLIENT = "bench-pos"
+BENCH_KEY = bytes(range(32))
+
+
 async def run(
     sizes: list[int], batches: int, data: Path, registry: Path, redis_url: str,
-    paths: tuple[str, ...] = ("merged",), rounds: int = 1,
+    paths: tuple[str, ...] = ("merged",), rounds: int = 1, lookups: tuple[str, ...] = ("combined",),
 ) -> list[dict[str, Any]]:
     """``paths``: how a stacked model predicts — "merged" (one booster, as served)
     or "members" (one predict call per member, as before merging); with several,
-    each batch size runs them alternately, ``rounds`` times each (an A/B in one process)."""
+    each batch size runs them alternately, ``rounds`` times each (an A/B in one process).
+    ``lookups``: "combined" (one Redis call for cache, admission and enrichment)
+    and/or "separate" (three calls in turn); with both, each batch of a size runs
+    once with each, in turn, so a busy machine slows both alike."""
     source = LiveTransactions(_population(data), seed=3, fraud_rate=0.01)
+    settings = _settings(redis_url)
     # The worker's client, with a batch job's timeout: this measures the cost, not the budget.
-    client = async_client(_settings(redis_url), timeout_s=BATCH_TIMEOUT_S, max_connections=8)
-    scorer = Scorer(
-        model=load_ensemble(registry, None),
-        rules=load_rules(Path("config/rules.json")),
-        store=RedisFeatureStore(client, local_cache_ttl_s=5.0),
-        cache=RedisDecisionCache(client, 3600),
-        model_budget_s=1.0,  # the cost, not the budget, is measured here
-    )
-    await scorer.warm_up()
-    model = scorer.model
+    client = async_client(settings, timeout_s=BATCH_TIMEOUT_S, max_connections=8)
+    admission = Admission(
+        keys=ClientKeys({BENCH_CLIENT: BENCH_KEY}),
+        window_s=settings.auth_window_s,
+        replay=RedisReplayGuard(client),
+        limiter=RedisRateLimiter(client, settings.rate_client_per_s, settings.rate_client_burst,
+                                 settings.rate_user_per_s, settings.rate_user_burst),
+    )  # fmt: skip
+    store = RedisFeatureStore(client, local_cache_ttl_s=5.0)
+    cache = LocalFirstCache(RedisDecisionCache(client, 3600), ttl_s=3600)
+    lookup = RedisBatchLookup.build(client, cache, store, admission)
+    assert lookup is not None, "a single Redis server takes the one-call lookup"
+    model = load_ensemble(registry, None)
+    rules = load_rules(Path("config/rules.json"))
+    scorers = {
+        name: Scorer(
+            model=model, rules=rules, store=store, cache=cache, admission=admission,
+            lookup=lookup if name == "combined" else None,
+            model_budget_s=1.0,  # the cost, not the budget, is measured here
+        )
+        for name in lookups
+    }  # fmt: skip
+    for scorer in scorers.values():
+        await scorer.warm_up()
     merged = getattr(model, "merged", None)
     results = []
     for size, path, rnd in ((z, p, r) for z in sizes for r in range(rounds) for p in paths):
         if model is not None and hasattr(model, "merged"):
             model.merged = merged if path == "merged" else None
-        walls, cpus = [], []
-        stages: defaultdict[str, list[float]] = defaultdict(list)
+        walls: defaultdict[str, list[float]] = defaultdict(list)
+        cpus: defaultdict[str, list[float]] = defaultdict(list)
+        stages: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        counts: defaultdict[str, Counter[str]] = defaultdict(Counter)
         for i in range(batches + 3):
-            batch = [Inbound(value=orjson.dumps(source.next(time.time())), timestamp=time.time()) for _ in range(size)]
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            out = await scorer.score_batch(batch)
-            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            if out.to_cache:
-                await scorer.cache.put_many(out.to_cache)
-            if i < 3:
-                continue  # warm-up batches
-            walls.append(wall * 1000)
-            cpus.append(cpu * 1000)
-            for _, value in out.decisions[:1]:
-                for stage, ms in (orjson.loads(value).get("latency_ms") or {}).items():
-                    stages[stage].append(ms)
-        row = {
-            "batch": size,
-            "model_path": path if merged is not None else "members (not stacked)",
-            "round": rnd + 1,
-            "wall_ms_p50": round(statistics.median(walls), 2),
-            "cpu_ms_per_batch_p50": round(statistics.median(cpus), 2),
-            "cpu_ms_per_tx": round(statistics.median(cpus) / size, 3),
-            "stage_ms_p50": {k: round(statistics.median(v), 2) for k, v in stages.items()},
-        }
-        results.append(row)
-        print(json.dumps(row), flush=True)
+            for name, scorer in scorers.items():
+                batch = [_signed(orjson.dumps(source.next(time.time()))) for _ in range(size)]
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                out = await scorer.score_batch(batch)
+                wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+                if out.to_cache:
+                    await scorer.cache.put_many(out.to_cache)
+                if i < 3:
+                    continue  # warm-up batches
+                walls[name].append(wall * 1000)
+                cpus[name].append(cpu * 1000)
+                counts[name].update({k: v for k, v in (out.monitoring or {}).get("counts", {}).items() if k != "batch"})
+                for _, value in out.decisions[:1]:
+                    for stage, ms in (orjson.loads(value).get("latency_ms") or {}).items():
+                        stages[name][stage].append(ms)
+        for name in scorers:
+            row = {
+                "batch": size,
+                "lookup": name,
+                "model_path": path if merged is not None else "members (not stacked)",
+                "round": rnd + 1,
+                "wall_ms_p50": round(statistics.median(walls[name]), 2),
+                "cpu_ms_per_batch_p50": round(statistics.median(cpus[name]), 2),
+                "cpu_ms_per_tx": round(statistics.median(cpus[name]) / size, 3),
+                "stage_ms_p50": {k: round(statistics.median(v), 2) for k, v in stages[name].items()},
+                "counts": dict(counts[name]),
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
     await client.aclose()
     return results
+
+
+def _signed(value: bytes) -> Inbound:
+    """A message as a producing client sends it: signed now (so the replay guard runs)."""
+    now = time.time()
+    return Inbound(value=value, headers=sign(value, BENCH_CLIENT, BENCH_KEY, int(now * 1000)), timestamp=now)
 
 
 def main() -> None:
@@ -103,6 +147,8 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=["merged", "members"], default=["merged"],
                         help="how a stacked model predicts; several: an A/B, alternating")
     parser.add_argument("--rounds", type=int, default=1, help="repeats of each path per batch size")
+    parser.add_argument("--lookup", nargs="+", choices=["combined", "separate"], default=["combined"],
+                        help="one Redis call per batch, or the three in turn; both: an A/B, batch by batch")
     parser.add_argument("--out", type=Path, help="also write the rows (JSON) here")
     args = parser.parse_args()
     import pandas as pd
@@ -111,7 +157,7 @@ def main() -> None:
     try:
         materialize(pd.read_parquet(args.data), sync_client(_settings(handle.url)), progress=False)
         rows = asyncio.run(run(args.sizes, args.batches, args.data, args.registry, handle.url,
-                               tuple(args.paths), args.rounds))  # fmt: skip
+                               tuple(args.paths), args.rounds, tuple(args.lookup)))  # fmt: skip
     finally:
         handle.stop()
     if args.out:

@@ -32,7 +32,7 @@ from pipeline.auth import AuthResult, ReplayGuard, replay_ttl_s, verify
 from pipeline.ratelimit import RateDecision, RateLimiter
 from pipeline.validate import Rejection
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "verdicts_of"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ class Admission:
         Returns, per item, None (admitted) or why not; and the names of the
         checks that could not be made (for monitoring).
         """
-        verdicts: list[Rejection | None] = [None] * len(items)
         unavailable: list[str] = []
         signed = [i for i, (auth, *_rest) in enumerate(items) if auth.signature]
         # NOTE: both checks go out at once (two pooled connections, one round
@@ -70,15 +69,7 @@ class Admission:
             unavailable.append("replay_guard")
         if rates is None:
             unavailable.append("rate_limiter")
-        for i, first in zip(signed, firsts or []):
-            if not first:
-                verdicts[i] = Rejection(
-                    "replayed", "signature", "this signed message was already received as another record"
-                )
-        for i, decision in enumerate(rates or []):
-            if verdicts[i] is None and not decision.allowed:
-                verdicts[i] = decision.rejection(items[i][2], items[i][3])
-        return verdicts, unavailable
+        return verdicts_of(items, signed, firsts or [], rates or []), unavailable
 
     async def _replays(self, items: Sequence[tuple[AuthResult, str, str, str]], signed: list[int]) -> list[bool] | None:
         if self.replay is None or not signed:
@@ -99,3 +90,25 @@ class Admission:
         except Exception as exc:
             log.warning("rate limiter unavailable (%r): admitting the batch", exc)
             return None
+
+
+def verdicts_of(
+    items: Sequence[tuple[AuthResult, str, str, str]],
+    signed: Sequence[int],
+    firsts: Sequence[bool],
+    rates: Sequence[RateDecision],
+) -> list[Rejection | None]:
+    """Per item (as :meth:`Admission.admit` takes them): None, or why it is
+    refused. ``firsts``: the replay guard's answers for the items at ``signed``;
+    ``rates``: the limiter's, one per item. Either may be empty (not asked, or
+    unavailable: fail open). A replay is refused as a replay even when its
+    token was refused too. Shared with the batch's one-call lookup
+    (pipeline/redis_batch.py), whose script admits by the same answers."""
+    verdicts: list[Rejection | None] = [None] * len(items)
+    for i, first in zip(signed, firsts):
+        if not first:
+            verdicts[i] = Rejection("replayed", "signature", "this signed message was already received as another record")
+    for i, decision in enumerate(rates):
+        if verdicts[i] is None and not decision.allowed:
+            verdicts[i] = decision.rejection(items[i][2], items[i][3])
+    return verdicts

@@ -77,12 +77,15 @@ __all__ = [
     "CLIENT_ID",
     "SIGNATURE",
     "SIGNED_AT",
+    "REPLAY_CHECK_FUNCTION",
+    "REPLAY_CHECK_SCRIPT",
     "UNSIGNED",
     "AuthResult",
     "ClientKeys",
     "InMemoryReplayGuard",
     "RedisReplayGuard",
     "ReplayGuard",
+    "first_delivery",
     "replay_ttl_s",
     "sign",
     "verify",
@@ -318,13 +321,24 @@ class ReplayGuard(Protocol):
 #: signature key, SET it to its delivery if new, else return the delivery it was
 #: first seen on ('' when new: a nil would end a Lua array). On a Redis Cluster
 #: the keys span slots, so the guard pipelines one SET per signature instead.
-REPLAY_CHECK_SCRIPT = """
+#: A Lua function of (KEYS, ARGV): the batch's one-call script
+#: (pipeline/redis_batch.py) runs the same check on its signed transactions.
+REPLAY_CHECK_FUNCTION = """
+local function replay_check(KEYS, ARGV)
 local out = {}
 for i = 1, #KEYS do
   out[i] = redis.call('SET', KEYS[i], ARGV[i + 1], 'NX', 'GET', 'EX', ARGV[1]) or ''
 end
 return out
+end
 """
+REPLAY_CHECK_SCRIPT = REPLAY_CHECK_FUNCTION + "return replay_check(KEYS, ARGV)\n"
+
+
+def first_delivery(first: bytes | str | None, delivery: str) -> bool:
+    """The guard's answer from what ``SET NX GET`` returned for a signature: new
+    (nothing, or '' from the script), or first seen on this same delivery."""
+    return not first or _text(first) == delivery
 
 
 class RedisReplayGuard:
@@ -347,14 +361,14 @@ class RedisReplayGuard:
                 keys=[signature_key(signature) for signature, _ in items],
                 args=[ttl_s, *(delivery for _, delivery in items)],
             )
-            return [not first or _text(first) == delivery for first, (_, delivery) in zip(firsts, items, strict=True)]
+            return [first_delivery(first, delivery) for first, (_, delivery) in zip(firsts, items, strict=True)]
         pipe = self._client.pipeline(transaction=False)
         for signature, delivery in items:
             # One atomic command: record the delivery if the signature is new,
             # else return the delivery it was first seen on.
             pipe.set(signature_key(signature), delivery, nx=True, ex=ttl_s, get=True)
         firsts = await pipe.execute()
-        return [first is None or _text(first) == delivery for first, (_, delivery) in zip(firsts, items, strict=True)]
+        return [first_delivery(first, delivery) for first, (_, delivery) in zip(firsts, items, strict=True)]
 
 
 class InMemoryReplayGuard:

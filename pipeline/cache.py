@@ -185,6 +185,12 @@ class LocalFirstCache:
                 return decision
         return None
 
+    def get_local_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        """This worker's own decisions only: the batch's one-call lookup
+        (pipeline/redis_batch.py) asks Redis about the rest itself."""
+        now = self._clock()
+        return [self._get_local(tx, now) for tx in txs]
+
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
         now = self._clock()
         out: list[Any] = [self._get_local(tx, now) for tx in txs]

@@ -39,7 +39,10 @@ __all__ = [
     "FeatureStore",
     "InMemoryFeatureStore",
     "RedisFeatureStore",
+    "BATCH_ENRICH_FUNCTION",
+    "BATCH_ENRICH_SCRIPT",
     "TTLCache",
+    "velocity_args",
     "velocity_member",
 ]
 
@@ -82,7 +85,10 @@ return redis.call('ZRANGE', KEYS[1], ARGV[2], '(' .. ARGV[4], 'BYSCORE', 'REV', 
 #: redis-py (packing, parsing, futures); a batch of 32 sent ~70 of them, the
 #: biggest single cost of a saturated worker's event loop. A Redis Cluster
 #: refuses a script across slots, so there the pipeline below is kept.
-BATCH_ENRICH_SCRIPT = """
+#: A Lua function of (KEYS, ARGV): the batch's one-call script
+#: (pipeline/redis_batch.py) enriches its admitted transactions with it.
+BATCH_ENRICH_FUNCTION = """
+local function enrich(KEYS, ARGV)
 local n, p, keep = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local out = {}
 for i = 1, n do
@@ -104,7 +110,18 @@ for j = first + 1, #ARGV do
   out[n + j - first] = redis.call('HGETALL', ARGV[j])
 end
 return out
+end
 """.replace("KEEP_EVENTS_PLUS_ONE", str(VELOCITY_KEEP_EVENTS + 1)).replace("MAX_EVENTS", str(VELOCITY_MAX_EVENTS))
+BATCH_ENRICH_SCRIPT = BATCH_ENRICH_FUNCTION + "return enrich(KEYS, ARGV)\n"
+
+
+def velocity_args(tx: Transaction) -> list[str]:
+    """A transaction's four arguments to BATCH_ENRICH_FUNCTION: member, time,
+    prune before, window start (repr: the shortest exact form of each double)."""
+    return [
+        velocity_member(tx), repr(tx.timestamp),
+        repr(tx.timestamp - VELOCITY_RETENTION_S), repr(tx.timestamp - DAY_S),
+    ]  # fmt: skip
 
 
 def velocity_member(tx: Transaction) -> str:
@@ -252,20 +269,31 @@ class RedisFeatureStore:
 
     async def _enrich_in_one_call(self, txs: Sequence[Transaction]) -> list[Enrichment]:
         now = time.monotonic()
+        profiles, merchants = self.uncached(txs, now)
+        keys = [velocity_key(tx.user_id) for tx in txs]
+        args: list[Any] = [len(txs), len(profiles), int(VELOCITY_RETENTION_S)]
+        for tx in txs:
+            args += velocity_args(tx)
+        args += [profile_key(u) for u in profiles]  # read only: ARGV, not KEYS (see BATCH_ENRICH_SCRIPT)
+        args += [merchant_key(m) for m in merchants]
+        replies = await self._batch_script(keys=keys, args=args)
+        return self.enrichments(txs, replies, profiles, merchants, now)
+
+    def uncached(self, txs: Sequence[Transaction], now: float) -> tuple[list[str], list[str]]:
+        """The users and merchants of ``txs`` not held locally at ``now``, each once, in order."""
         profiles = list(dict.fromkeys(tx.user_id for tx in txs if not self._profiles.get(tx.user_id, now)[0]))
         merchants = list(
             dict.fromkeys(tx.merchant_id for tx in txs if not self._merchants.get(tx.merchant_id, now)[0])
         )
-        keys = [velocity_key(tx.user_id) for tx in txs]
-        args: list[Any] = [len(txs), len(profiles), int(VELOCITY_RETENTION_S)]
-        for tx in txs:
-            args += [
-                velocity_member(tx), repr(tx.timestamp),
-                repr(tx.timestamp - VELOCITY_RETENTION_S), repr(tx.timestamp - DAY_S),
-            ]  # fmt: skip
-        args += [profile_key(u) for u in profiles]  # read only: ARGV, not KEYS (see BATCH_ENRICH_SCRIPT)
-        args += [merchant_key(m) for m in merchants]
-        replies = await self._batch_script(keys=keys, args=args)
+        return profiles, merchants
+
+    def enrichments(
+        self, txs: Sequence[Transaction], replies: Sequence[Any], profiles: Sequence[str],
+        merchants: Sequence[str], now: float,
+    ) -> list[Enrichment]:  # fmt: skip
+        """Read a BATCH_ENRICH_FUNCTION reply for ``txs``, which fetched the hashes of
+        ``profiles`` and ``merchants`` (held locally from now on): the features of each.
+        Raises FeatureStoreError on a profile of another feature set."""
         hashes = iter(replies[len(txs):])
         for user_id in profiles:
             raw = _pairs(next(hashes))

@@ -48,13 +48,16 @@ __all__ = [
     "ALLOWED",
     "BUCKETS",
     "COST",
+    "TOKEN_BUCKET_FUNCTION",
     "TOKEN_BUCKET_SCRIPT",
     "Bucket",
+    "BucketPlan",
     "InMemoryRateLimiter",
     "Limit",
     "RateDecision",
     "RateLimiter",
     "RedisRateLimiter",
+    "rate_decision",
     "slot_groups",
 ]
 
@@ -71,7 +74,10 @@ COST = 1.0
 #: that refused it (0 = allowed) and the retry-after seconds as a string (a Lua
 #: number would be truncated to an integer reply). '%.17g' keeps every double
 #: exact, so the stored state and answers match the Python twin bit for bit.
-TOKEN_BUCKET_SCRIPT = """
+#: Written as a Lua function of (KEYS, ARGV) so that the batch's one-call script
+#: (pipeline/redis_batch.py) runs this very rule on its share of the batch.
+TOKEN_BUCKET_FUNCTION = """
+local function token_buckets(KEYS, ARGV)
 local now, cost = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rate, burst, tokens, last = {}, {}, {}, {}
 for i = 1, #KEYS do
@@ -109,7 +115,9 @@ for i = 1, #KEYS do
   redis.call('PEXPIRE', KEYS[i], math.ceil(burst[i] / rate[i] * 1000) + 1000)
 end
 return out
+end
 """
+TOKEN_BUCKET_SCRIPT = TOKEN_BUCKET_FUNCTION + "return token_buckets(KEYS, ARGV)\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +162,7 @@ class RateLimiter(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class BucketPlan:
     """A batch laid out for the script: distinct keys, their limits, and each
     request's 0-based key indices (client first, as in :data:`BUCKETS`)."""
 
@@ -163,7 +171,7 @@ class _Plan:
     requests: list[tuple[int, int]]
 
 
-def _plan(requests: Sequence[tuple[str, str]], client: Limit, user: Limit) -> _Plan:
+def _plan(requests: Sequence[tuple[str, str]], client: Limit, user: Limit) -> BucketPlan:
     index: dict[str, int] = {}
     limits: list[Limit] = []
     pairs: list[tuple[int, int]] = []
@@ -175,7 +183,7 @@ def _plan(requests: Sequence[tuple[str, str]], client: Limit, user: Limit) -> _P
                 limits.append(limit)
             pair.append(index[key])
         pairs.append((pair[0], pair[1]))
-    return _Plan(list(index), limits, pairs)
+    return BucketPlan(list(index), limits, pairs)
 
 
 def slot_groups(keys: Sequence[str], bucket_of: dict[int, int]) -> list[list[int]]:
@@ -190,7 +198,8 @@ def slot_groups(keys: Sequence[str], bucket_of: dict[int, int]) -> list[list[int
 
 
 
-def _decision(refused: int, wait: float) -> RateDecision:
+def rate_decision(refused: int, wait: float) -> RateDecision:
+    """A request's answer from the script's pair (refusing bucket's position, wait)."""
     return ALLOWED if refused == 0 else RateDecision(False, BUCKETS[refused - 1], wait)
 
 
@@ -215,6 +224,11 @@ class RedisRateLimiter:
         self._sha: str | None = None
         self._cluster = is_cluster_client(client)
 
+    def plan(self, requests: Sequence[tuple[str, str]]) -> tuple[BucketPlan, float]:
+        """``requests`` laid out for the token-bucket function, and the time
+        they are decided at (the batch's one-call script, pipeline/redis_batch.py)."""
+        return _plan(requests, self.client_limit, self.user_limit), float(self._clock())
+
     async def allow(self, requests: Sequence[tuple[str, str]]) -> list[RateDecision]:
         if not requests:
             return []
@@ -234,14 +248,14 @@ class RedisRateLimiter:
         if self._cluster:
             return await self._allow_by_slot(plan, now)
         reply = await self._call(plan, [list(pair) for pair in plan.requests], now)
-        return [_decision(int(reply[2 * n]), float(reply[2 * n + 1])) for n in range(len(requests))]
+        return [rate_decision(int(reply[2 * n]), float(reply[2 * n + 1])) for n in range(len(requests))]
 
-    async def _call(self, plan: _Plan, requests: Sequence[Sequence[int]], now: float) -> list[Any]:
+    async def _call(self, plan: BucketPlan, requests: Sequence[Sequence[int]], now: float) -> list[Any]:
         """One script call for ``requests`` (each a list of indices into ``plan.keys``),
         passing only the keys they use."""
         return await self._client.evalsha(self._sha, *self._script_args(plan, requests, now))  # type: ignore[no-any-return]
 
-    def _script_args(self, plan: _Plan, requests: Sequence[Sequence[int]], now: float) -> list[Any]:
+    def _script_args(self, plan: BucketPlan, requests: Sequence[Sequence[int]], now: float) -> list[Any]:
         used = sorted({i for request in requests for i in request})
         local = {i: n for n, i in enumerate(used)}
         # repr(float) is the shortest exact form: Lua's tonumber gets the same double.
@@ -253,7 +267,7 @@ class RedisRateLimiter:
         keys = [plan.keys[i] for i in used]
         return [len(keys), *keys, *args]
 
-    async def _allow_by_slot(self, plan: _Plan, now: float) -> list[RateDecision]:
+    async def _allow_by_slot(self, plan: BucketPlan, now: float) -> list[RateDecision]:
         """Redis Cluster: users' buckets first, then clients' for the admitted (module docstring)."""
         out: list[RateDecision] = [ALLOWED] * len(plan.requests)
         for position, bucket in ((1, "user"), (0, "client")):
@@ -313,7 +327,7 @@ class InMemoryRateLimiter:
             if refused == 0:
                 for i in pair:
                     tokens[i] -= COST
-            out.append(_decision(refused, wait))
+            out.append(rate_decision(refused, wait))
         for i, key in enumerate(plan.keys):
             self._buckets[key] = (tokens[i], states[i][1], plan.limits[i])
         if len(self._buckets) > self.max_buckets:

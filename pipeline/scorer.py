@@ -7,7 +7,9 @@
                                                           └ failure/late ─► rules-only, degraded
 
 :class:`Scorer` is free of Kafka: it turns a list of :class:`Inbound` messages
-into a :class:`BatchOutput` (what to produce where). The faust agent in
+into a :class:`BatchOutput` (what to produce where). On one Redis server
+the cache lookup, admission and enrichment are one Redis call for the batch
+(:mod:`pipeline.redis_batch`), else three in turn. The faust agent in
 :mod:`agents.score` only moves batches in and out. Every message is answered
 once: a decision; a refused one a ``reject`` decision plus a dead-letter record
 when its transaction id can be read, else (and when unauthenticated) the dead
@@ -34,6 +36,7 @@ import orjson
 
 from app.contract import Decision, Transaction
 from app.eos import Record
+from app.errors import BatchLookupError
 from app.redis_keys import content_hash
 from pipeline.admission import Admission
 from pipeline.auth import UNSIGNED, AuthResult
@@ -44,10 +47,11 @@ from pipeline.feature_store import Enrichment, FeatureStore
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
 from pipeline.labels import MerchantTally
 from pipeline.model import Prediction, ScoringModel
+from pipeline.redis_batch import BatchAnswer, Request
 from pipeline.rules import RuleSet, evaluate_rules
 from pipeline.validate import Limits, Rejection, validate
 
-__all__ = ["BatchOutput", "Inbound", "Record", "Scorer", "Signs"]
+__all__ = ["BatchLookup", "BatchOutput", "Inbound", "Record", "Scorer", "Signs"]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +179,18 @@ class _Evidence:
         return self.prediction.scores if self.prediction is not None else None
 
 
+#: A batch after cache, admission and enrichment: the transactions to decide,
+#: their in-batch copies (with their leader's index), the ids decided
+#: provisionally, and what they are decided on.
+_Staged = tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]], set[str], "_Evidence"]
+
+
+class BatchLookup(Protocol):
+    async def look_up(self, requests: Sequence[Request]) -> BatchAnswer:
+        """Each request's cached decision, first copy, verdict and features; raises BatchLookupError."""
+        ...
+
+
 class _Draft(NamedTuple):
     """One fresh transaction's decision before it is written out."""
 
@@ -219,6 +235,7 @@ class Scorer:
         admission: Admission | None = None,
         shadow: ScoringModel | None = None,
         drift: DriftMonitor | None = None,
+        lookup: BatchLookup | None = None,
     ) -> None:
         self.model = model
         #: A candidate scored on the same rows after the batch is decided; never decides.
@@ -235,6 +252,9 @@ class Scorer:
         self.merchant_tally = merchant_tally
         #: Authentication, replay guard and rate limits; None trusts every producer.
         self.admission = admission
+        #: Cache, admission and enrichment in one Redis call (one server only:
+        #: pipeline/redis_batch.py); None makes them three calls in turn.
+        self.lookup = lookup
         # NOTE: one thread: a prediction that overran its budget keeps the thread
         # busy, so the next batch also misses and degrades instead of piling up
         # CPU-bound work on 2 cores.
@@ -287,20 +307,13 @@ class Scorer:
         valid, auths = self._validate(batch, out, now, stats)
         clock.lap("validate")
 
-        # 2. cache: resends are answered as before and go no further
-        fresh, followers, hits, unchecked = await self._answer_from_cache(valid, stats)
-        clock.lap("cache")
-        for msg, tx, hit in hits:  # emitted after the lap, so their latency shows every stage so far
-            self._emit_cached(out, msg, tx, hit, clock)
-
-        # 2b. admission: replays and rate limits, for what the cache did not answer
-        if self.admission is not None and fresh:
-            fresh, followers = await self._admit(fresh, followers, auths, out, now, stats)
-        clock.lap("validate")  # replay and rate checks count as admission, i.e. validation
-
-        # 3. enrich: one round trip for the batch
-        evidence = await self._enrich([tx for _, tx in fresh])
-        clock.lap("features")
+        # 2. cache, 2b. admission, 3. enrichment: one Redis call where the lookup can make it
+        staged = None
+        if self.lookup is not None and valid:
+            staged = await self._in_one_call(valid, auths, out, now, stats, clock)
+        if staged is None:
+            staged = await self._in_separate_calls(valid, auths, out, now, stats, clock)
+        fresh, followers, unchecked, evidence = staged
 
         # 4. ensemble under its budget
         await self._predict_under_budget(evidence)
@@ -322,6 +335,94 @@ class Scorer:
                 self.shadow, evidence.matrix, evidence.txs, tallies, list(range(len(out.feedback))), feedback_docs
             )
         return out
+
+    async def _in_separate_calls(
+        self,
+        valid: list[tuple[Inbound, Transaction]],
+        auths: dict[int, AuthResult],
+        out: BatchOutput,
+        now: float,
+        stats: Counter[str],
+        clock: _Clock,
+    ) -> _Staged:
+        """Cache, admission and enrichment as three Redis calls in turn (a Redis
+        Cluster, the in-memory fakes, or a batch whose one call failed)."""
+        # 2. cache: resends are answered as before and go no further
+        fresh, followers, hits, unchecked = await self._answer_from_cache(valid, stats)
+        clock.lap("cache")
+        for msg, tx, hit in hits:  # emitted after the lap, so their latency shows every stage so far
+            self._emit_cached(out, msg, tx, hit, clock)
+
+        # 2b. admission: replays and rate limits, for what the cache did not answer
+        if self.admission is not None and fresh:
+            fresh, followers = await self._admit(fresh, followers, auths, out, now, stats)
+        clock.lap("validate")  # replay and rate checks count as admission, i.e. validation
+
+        # 3. enrich: one round trip for the batch
+        evidence = await self._enrich([tx for _, tx in fresh])
+        clock.lap("features")
+        return fresh, followers, unchecked, evidence
+
+    async def _in_one_call(
+        self,
+        valid: list[tuple[Inbound, Transaction]],
+        auths: dict[int, AuthResult],
+        out: BatchOutput,
+        now: float,
+        stats: Counter[str],
+        clock: _Clock,
+    ) -> _Staged | None:
+        """Cache, admission and enrichment in one Redis call (pipeline/redis_batch.py);
+        None, with nothing done to ``out``, when the call failed.
+
+        Stage times (``stage_ms``, each decision's ``latency_ms``): the lookup
+        (this worker's memory, the call, reading its reply: the decisions,
+        profiles and velocity windows) is charged to ``cache``, the first stage
+        it serves and the one its hits are emitted after; applying admission's
+        verdicts to ``validate``; the feature rows to ``features``. So next to
+        the separate calls ``cache`` grows by what ``validate`` and
+        ``features`` lose: compare their sum."""
+        assert self.lookup is not None
+        requests = [Request(tx, auths[id(msg)], f"{msg.partition}:{msg.offset}") for msg, tx in valid]
+        try:
+            answer = await self.lookup.look_up(requests)
+        except BatchLookupError as exc:
+            # NOTE: nothing of the call can be assumed undone: if it ran but its
+            # reply was lost, the separate calls charge those tokens again.
+            log.warning("the batch's one Redis call failed (%r): making the separate calls", exc)
+            stats["one_call_failed"] += 1
+            return None
+        fresh: list[tuple[Inbound, Transaction]] = []
+        followers: list[tuple[Inbound, Transaction, int]] = []
+        answered: list[tuple[Inbound, Transaction, dict[str, Any]]] = []
+        in_fresh: dict[int, int] = {}  # index in valid -> index in fresh
+        for i, ((msg, tx), hit, first) in enumerate(zip(valid, answer.hits, answer.follows)):
+            if hit is not None:
+                answered.append((msg, tx, hit))
+                stats["cached"] += 1
+            elif first is not None:
+                followers.append((msg, tx, in_fresh[first]))
+            else:
+                in_fresh[i] = len(fresh)
+                fresh.append((msg, tx))
+        clock.lap("cache")
+        for msg, tx, hit in answered:
+            self._emit_cached(out, msg, tx, hit, clock)
+
+        verdicts = [answer.verdicts[i] for i in in_fresh]
+        fresh, followers = self._apply_verdicts(fresh, followers, verdicts, out, now, stats)
+        clock.lap("validate")
+
+        evidence = _Evidence([tx for _, tx in fresh])
+        if evidence.txs:
+            evidence.enrichments = answer.enrichments
+            if answer.enrich_error is not None:
+                evidence.degraded_reason = "feature store unavailable"
+                log.warning("feature store failed (%r): %d decisions degrade to rules",
+                            answer.enrich_error, len(evidence.txs))  # fmt: skip
+        self._feature_rows(evidence)
+        clock.lap("features")
+        return fresh, followers, set(), evidence
 
     def _validate(
         self, batch: Sequence[Inbound], out: BatchOutput, now: float, stats: Counter[str]
@@ -352,13 +453,18 @@ class Scorer:
             except Exception as exc:
                 evidence.degraded_reason = "feature store unavailable"
                 log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
+        self._feature_rows(evidence)
+        return evidence
+
+    def _feature_rows(self, evidence: _Evidence) -> None:
+        """The feature rows of the enriched transactions (none if not enriched)."""
         # Night and weekend on the served model's clock (its manifest's zone); a
         # shadow scores the same rows, so lifecycle refuses a shadow in another zone.
         tz = getattr(self.model, "tz", None)
         evidence.rows = [
-            feature_row(tx, e.profile, e.merchant, e.velocity, tz) for tx, e in zip(txs, evidence.enrichments or [])
+            feature_row(tx, e.profile, e.merchant, e.velocity, tz)
+            for tx, e in zip(evidence.txs, evidence.enrichments or [])
         ]
-        return evidence
 
     async def _predict_under_budget(self, evidence: _Evidence) -> None:
         """The ensemble's prediction for the rows, or the reason there is none."""
@@ -519,6 +625,19 @@ class Scorer:
         )
         for name in unavailable:
             stats[f"{name}_unavailable"] += 1
+        return self._apply_verdicts(fresh, followers, verdicts, out, now, stats)
+
+    def _apply_verdicts(
+        self,
+        fresh: list[tuple[Inbound, Transaction]],
+        followers: list[tuple[Inbound, Transaction, int]],
+        verdicts: list[Rejection | None],
+        out: BatchOutput,
+        now: float,
+        stats: Counter[str],
+    ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
+        """Reject the refused (and their in-batch copies); the admitted, with
+        their copies' leaders renumbered."""
         kept: list[tuple[Inbound, Transaction]] = []
         moved: dict[int, int] = {}
         for i, ((msg, tx), verdict) in enumerate(zip(fresh, verdicts)):

@@ -31,12 +31,14 @@ from app.redis_keys import (
     velocity_key,
 )
 from app.settings import Settings
-from pipeline.auth import RedisReplayGuard
+from pipeline.admission import Admission
+from pipeline.auth import AuthResult, RedisReplayGuard
 from pipeline.cache import RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
 from pipeline.labels import Label
 from pipeline.quality import RedisQualityStore, Served
 from pipeline.ratelimit import RedisRateLimiter
+from pipeline.redis_batch import RedisBatchLookup, Request
 from tools import stack
 from tools.materialize import materialize
 
@@ -178,6 +180,17 @@ async def worker_code(settings: Settings) -> None:
         await cache.put_many([(tx, orjson.dumps({"action": "approve"})) for tx in txs])
         await RedisReplayGuard(client).check([("sig-cmd", "0:1")], 60)
         await RedisRateLimiter(client, 10.0, 5.0, 10.0, 5.0).allow([("pos-cmd", tx.user_id) for tx in txs])
+        # The same three in one script call (one server): a resend, a signed first copy, its replay.
+        admission = Admission(
+            keys={}, replay=RedisReplayGuard(client), limiter=RedisRateLimiter(client, 10.0, 5.0, 10.0, 5.0)
+        )
+        lookup = RedisBatchLookup(client, cache, RedisFeatureStore(client, local_cache_ttl_s=0), admission)
+        fresh = Transaction("t-cmd-one", "u-cmd-0", 99.5, "m-cmd", 1_800_000_100.0)
+        signed = AuthResult("pos-cmd-one", "sig-cmd-one", 1_800_000_000_000)
+        answer = await lookup.look_up([
+            Request(txs[0], signed, "0:9"), Request(fresh, signed, "0:10"), Request(fresh, signed, "0:11"),
+        ])  # fmt: skip
+        assert answer.hits[0] is not None and answer.follows[2] == 1 and answer.enrichments
         store = RedisQualityStore(client, prefix="quality:cmd:", max_joined=2)
         now = 1_800_000_000.0
         await store.add_served([Served(f"t-q-{i}", "v1", "r1", "score", "approve", 0.1, now) for i in range(3)])

@@ -238,6 +238,7 @@ def test_scorer_built_for_a_cluster_url(
 
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         scorer = runtime.build_scorer()
+        assert scorer.lookup is None  # a script may not span slots: the separate calls
         now = time.time()
         batch = [Inbound(orjson.dumps(d), {}, now, 0, i) for i, d in enumerate(docs)]
         first = await scorer.score_batch(batch)
