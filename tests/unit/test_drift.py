@@ -57,3 +57,22 @@ def test_shifted_amounts_and_scores_are_flagged_and_logged(caplog: pytest.LogCap
     assert record["drifting"] == ["amount_usd", "score"]
     assert record["psi"]["amount_usd"] > 0.5
     assert "drift: PSI above 0.20" in caplog.text
+
+
+def test_a_window_counted_at_its_end_equals_counting_batch_by_batch() -> None:
+    """The monitor keeps each batch's values and counts them once the window
+    closes: the same PSI as counting the whole window at once, whatever the
+    batch sizes (missing feature values included)."""
+    rng = np.random.default_rng(4)
+    reference = build_reference(matrix(rng, 20_000), rng.beta(1, 20, 20_000), ["amount_usd", FEATURE_NAMES[0]])
+    whole = DriftMonitor("v1", reference, window_rows=1500, warn_psi=0.2)
+    batched = DriftMonitor("v1", reference, window_rows=1500, warn_psi=0.2)
+    m, s = matrix(rng, 1500, amount_scale=2.0), rng.beta(2, 5, 1500)
+    m[::7, AMOUNT] = np.nan
+    expected = whole.observe(m, s)
+    sizes = rng.integers(1, 64, 200)
+    cuts = np.cumsum(sizes)[np.cumsum(sizes) < 1500]
+    records = [batched.observe(mb, sb) for mb, sb in zip(np.split(m, cuts), np.split(s, cuts))]
+    assert records[:-1] == [None] * (len(records) - 1)
+    assert records[-1] == expected and expected is not None and expected["rows"] == 1500
+    assert batched.observe(m[:10], s[:10]) is None  # a new window starts empty
