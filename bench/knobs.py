@@ -31,6 +31,8 @@ KNOBS: dict[str, dict[str, str]] = {
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
     # The scoring consumer's fetches: fewer, fuller ones for the broker to serve.
     "fetch_min_32k": {"FRAUD_FETCH_MIN_BYTES": "32768", "FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "10"},
+    # An idle consumer's long poll: how often it asks when there is nothing to read.
+    "fetch_wait_500ms": {"FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "500"},
     "switch_5ms": {"FRAUD_GIL_SWITCH_INTERVAL_S": "0.005"},
     # How long one transaction spans consecutive batches (app/eos.py): 0 is one per batch.
     "commit_0": {"FRAUD_COMMIT_INTERVAL_S": "0"},
@@ -44,6 +46,8 @@ KNOBS: dict[str, dict[str, str]] = {
     # A longer batch window: fewer, fuller batches at low and middle rates.
     "window_5ms": {"FRAUD_BATCH_WINDOW_S": "0.005"},
     "window_25ms": {"FRAUD_BATCH_WINDOW_S": "0.025"},
+    # One batch per transaction: the window as long as the commit interval was.
+    "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     "workers_2": {},

@@ -4,7 +4,8 @@
 # Writes bench/results/profile-<label>-<rate>.svg (a flame graph of the
 # worker, every thread) and .json (the share of samples per pipeline stage),
 # and prints the functions with the most samples (self and inclusive).
-# FRAUD_* settings in the environment reach the worker (FRAUD_BATCH_SIZE=...).
+# FRAUD_* settings in the environment reach the worker (FRAUD_BATCH_SIZE=...);
+# PYSPY_RATE sets the samples per second (100; more for a quiet worker).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-750}; DURATION=${2:-30}; LABEL=${3:-worker}
@@ -44,9 +45,9 @@ LOAD=$!
 sleep $(( DURATION / 4 ))
 # Two samplers side by side (neither stops the process): raw stacks to count, a flame graph to look at.
 $BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format raw --output "$RAW" --threads \
-  --rate 100 --nonblocking >/dev/null 2>&1 &
+  --rate "${PYSPY_RATE:-100}" --nonblocking >/dev/null 2>&1 &
 $BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format flamegraph --output "$SVG" --threads \
-  --rate 100 --nonblocking >/dev/null 2>&1 || true
+  --rate "${PYSPY_RATE:-100}" --nonblocking >/dev/null 2>&1 || true
 wait $LOAD
 $BIN/python -m bench.stages "$RAW" --rate "$RATE" --label "$LABEL" --load .stack/profile-load.json \
   --out "bench/results/profile-${LABEL}-${RATE}.json"
