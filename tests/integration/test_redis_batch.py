@@ -102,7 +102,7 @@ class Traffic:
     def new(self, user: str, merchant: str, amount: float, client: str | None, txid: str | None = None) -> Inbound:
         self.serial += 1
         doc = {
-            "transaction_id": txid or f"t-{self.serial}",
+            "transaction_id": txid or tx_id(self.serial),
             "user_id": user,
             "amount": amount,
             "merchant_id": merchant,
@@ -124,11 +124,17 @@ class Traffic:
         if kind == "new_id":  # the same payment under a new transaction id
             doc = orjson.loads(earlier.value)
             self.serial += 1
-            doc["transaction_id"] = f"t-{self.serial}"
+            doc["transaction_id"] = tx_id(self.serial)
             return self.record(orjson.dumps(doc))
         # "same_id": another payment reusing a transaction id
         txid = orjson.loads(earlier.value)["transaction_id"]
         return self.new(user, merchant, amount, client, txid=txid)
+
+
+def tx_id(serial: int) -> str:
+    """Printable, as validation requires, with what JSON escapes and what is
+    not ASCII: the one call carries each transaction's row as JSON."""
+    return f't-{serial} "q\\ü€'
 
 
 steps = st.tuples(
