@@ -163,6 +163,12 @@ class ExactlyOnce:
             "queued.max.messages.kbytes": 8192,
             "fetch.min.bytes": fetch_min_bytes,
             "fetch.wait.max.ms": fetch_max_wait_ms,
+            # NOTE: incremental rebalancing: a rebalance that moves no partition
+            # (a member rejoining after the group coordinator moved) revokes
+            # nothing, and the partitions that stay keep being decided while
+            # others move. Eager rebalancing stopped every worker for the
+            # 4-6 s of a rebalance after a broker was lost (RELIABILITY.md).
+            "partition.assignment.strategy": "cooperative-sticky",
         }
         self._producer_config: dict[str, object] = {
             **client_config,
@@ -237,13 +243,15 @@ class ExactlyOnce:
     # -- rebalance callbacks (client thread, inside consume) -----------------------
 
     def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
-        txn, self._txn = self._txn, None
-        if txn is not None:  # NOTE: a revocation always comes first; kept as the rule
-            self._settle(txn, self._commit(txn))
-        self.generation += 1
+        # Incremental (cooperative-sticky): these partitions are added to those
+        # kept. Nothing taken before is void (that is what a revocation says,
+        # and it bumps the generation), so an open transaction stays open and
+        # commits its offsets with the group's new metadata.
+        # NOTE: committing it here, inside the rebalance, was refused
+        # (ILLEGAL_GENERATION) and its batches decided again.
         numbers = {tp.partition for tp in partitions}
-        self.assigned = numbers
-        log.info("assigned partitions %s of %s", sorted(numbers), self.topic)
+        self.assigned |= numbers
+        log.info("assigned partitions %s of %s (now %s)", sorted(numbers), self.topic, sorted(self.assigned))
 
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
         # The open transaction holds records of these partitions: it ends

@@ -99,6 +99,10 @@ class FakeKafka:
         self.committed_errors: list[KafkaError] = []
         self.producers: list[FakeProducer] = []
         self.consumers: list[FakeConsumer] = []
+        #: Incremental rebalancing (cooperative-sticky, the worker's assignor):
+        #: a member is told only the partitions it loses and those it gains.
+        #: False: eager (every partition revoked, then the new assignment).
+        self.cooperative = False
 
     # -- factories: what ExactlyOnce's consumer_factory / producer_factory get ----
 
@@ -220,6 +224,9 @@ class FakeConsumer:
         return out
 
     def _rebalanced(self, event: _Rebalance) -> None:
+        if self.kafka.cooperative and not event.lost:
+            self._rebalanced_incrementally(event)
+            return
         self.pending.remove(event)
         old = sorted(self.assigned)
         kind = "lost" if event.lost else "revoke"
@@ -237,6 +244,22 @@ class FakeConsumer:
             self.positions[p] = self.kafka.offsets.get((self.group, self.topic, p), 0)
         self.kafka.timeline.append(("assign", self.member_id, sorted(self.assigned)))
         self._callbacks["assign"](self, [TopicPartition(self.topic, p) for p in sorted(self.assigned)])
+
+    def _rebalanced_incrementally(self, event: _Rebalance) -> None:
+        self.pending.remove(event)
+        group = self.kafka.groups[self.group]
+        revoked, added = sorted(self.assigned - event.partitions), sorted(event.partitions - self.assigned)
+        if revoked:
+            self._callbacks["revoke"](self, [TopicPartition(self.topic, p) for p in revoked])
+            self.kafka.timeline.append(("revoke", self.member_id, revoked))
+        group.revoking.pop(self.member_id, None)
+        self.generation = event.generation
+        self.assigned = set(event.partitions)
+        self.positions = {p: o for p, o in self.positions.items() if p in self.assigned}
+        for p in added:
+            self.positions[p] = self.kafka.offsets.get((self.group, self.topic, p), 0)
+        self.kafka.timeline.append(("assign", self.member_id, added))
+        self._callbacks["assign"](self, [TopicPartition(self.topic, p) for p in added])
 
     def seek(self, partition: TopicPartition) -> None:
         if partition.partition not in self.assigned:

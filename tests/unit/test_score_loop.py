@@ -423,9 +423,8 @@ def test_a_killed_worker_s_open_transaction_is_aborted_and_its_successor_decides
 
     async def killed() -> None:
         worker = Worker(kafka, tmp_path, models, name="w1", shared=shared)
-        await worker.start()
         worker.loop.batch_size = 2
-        await worker.step()
+        await worker.start()  # joins, and takes 0 and 1 with its assignment
         await worker.commit()  # 0 and 1: committed
         await worker.step()  # 2 and 3: sent, open, never committed
         worker.stream._thread.shutdown(wait=False)
@@ -449,6 +448,44 @@ def test_a_killed_worker_s_open_transaction_is_aborted_and_its_successor_decides
     assert fresh(kafka) == [f"t-loop-0-{o}" for o in range(4)]
     assert [d["cached"] for d in decisions(kafka)] == [False] * 4
     assert kafka.committed(GROUP, TOPIC) == {0: 4}
+
+
+def test_partitions_gained_in_an_incremental_rebalance_leave_the_open_transaction_open(
+    tmp_path: Path, models: Any
+) -> None:
+    """Cooperative rebalancing (the worker's assignor): a rebalance that only adds
+    partitions revokes nothing, so the batches already sent stay in the open
+    transaction and commit with the group's new metadata; one that takes a
+    partition away commits them first. Nothing is decided twice."""
+    kafka = new_kafka()
+    kafka.cooperative = True
+    worker = Worker(kafka, tmp_path, models)
+
+    async def go() -> None:
+        await worker.start()
+        kafka.rebalance(GROUP, {worker.consumer: {0}})  # partition 1 goes elsewhere
+        await worker.step()
+        write_new(kafka, 0, 2)
+        await worker.step()  # sent; the transaction stays open (no interval)
+        kafka.rebalance(GROUP, {worker.consumer: {0, 1}})  # partition 1 comes back
+        write_new(kafka, 1, 2)
+        await worker.step()
+        await worker.step()
+        assert kafka.events("commit") == []  # the gain revoked nothing: still one open transaction
+        kafka.rebalance(GROUP, {worker.consumer: {0}})  # a loss: what is open commits before it
+        await worker.step()
+        await worker.stop()
+
+    asyncio.run(go())
+    # As librdkafka tells it: only what changes, an empty assignment after a revocation.
+    assert [(e[0], e[2]) for e in kafka.timeline if e[0] in ("revoke", "assign")] == [
+        ("assign", [0, 1]), ("revoke", [1]), ("assign", []), ("assign", [1]),
+        ("revoke", [1]), ("assign", []), ("revoke", [0]),  # the last: leaving, on stop
+    ]  # fmt: skip
+    (commit,) = kafka.events("commit")
+    assert commit[2] == {(TOPIC, 0): 2, (TOPIC, 1): 2}
+    assert sorted(fresh(kafka)) == ["t-loop-0-0", "t-loop-0-1", "t-loop-1-0", "t-loop-1-1"]
+    assert kafka.committed(GROUP, TOPIC) == {0: 2, 1: 2}
 
 
 def test_stopping_commits_what_is_open_and_caches_it(tmp_path: Path, models: Any) -> None:
