@@ -69,7 +69,7 @@ HEADER = 9
 #: (0: none or no replay guard), 6 its delivery, 7-10 its velocity arguments
 #: (velocity_args, strings), 11-12 its profile and merchant (0: held locally).
 #: NOTE: one argument, not twelve per transaction: redis-py encodes each
-#: argument on its own, ~14 % of the loop's time at 64 records
+#: argument on its own, 12-14 % of the loop's time at 64 records under cProfile
 #: (docs/performance.md).
 
 #: KEYS: each transaction's two decision keys (2m), then its velocity key (m),

@@ -224,39 +224,26 @@ class FakeConsumer:
         return out
 
     def _rebalanced(self, event: _Rebalance) -> None:
-        if self.kafka.cooperative and not event.lost:
-            self._rebalanced_incrementally(event)
-            return
+        """Eager: every partition revoked, then the whole new assignment.
+        Incremental (``kafka.cooperative``): only the partitions lost, then
+        those gained (an empty assignment after a revocation, as librdkafka)."""
         self.pending.remove(event)
-        old = sorted(self.assigned)
+        new = set() if event.lost else set(event.partitions)
+        keep = self.assigned & new if self.kafka.cooperative else set()
+        gone = sorted(self.assigned - keep)
         kind = "lost" if event.lost else "revoke"
-        if old or event.lost:
-            self._callbacks[kind](self, [TopicPartition(self.topic, p) for p in old])
-            self.kafka.timeline.append((kind, self.member_id, old))
-        self.assigned, self.positions = set(), {}
-        group = self.kafka.groups[self.group]
-        group.revoking.pop(self.member_id, None)
+        if gone or event.lost:
+            self._callbacks[kind](self, [TopicPartition(self.topic, p) for p in gone])
+            self.kafka.timeline.append((kind, self.member_id, gone))
+        self.assigned = keep
+        self.positions = {p: o for p, o in self.positions.items() if p in keep}
+        self.kafka.groups[self.group].revoking.pop(self.member_id, None)
         if event.lost:
             return
         self.generation = event.generation
-        self.assigned = set(event.partitions)
-        for p in self.assigned:  # where the group committed, else the start (auto.offset.reset earliest)
-            self.positions[p] = self.kafka.offsets.get((self.group, self.topic, p), 0)
-        self.kafka.timeline.append(("assign", self.member_id, sorted(self.assigned)))
-        self._callbacks["assign"](self, [TopicPartition(self.topic, p) for p in sorted(self.assigned)])
-
-    def _rebalanced_incrementally(self, event: _Rebalance) -> None:
-        self.pending.remove(event)
-        group = self.kafka.groups[self.group]
-        revoked, added = sorted(self.assigned - event.partitions), sorted(event.partitions - self.assigned)
-        if revoked:
-            self._callbacks["revoke"](self, [TopicPartition(self.topic, p) for p in revoked])
-            self.kafka.timeline.append(("revoke", self.member_id, revoked))
-        group.revoking.pop(self.member_id, None)
-        self.generation = event.generation
-        self.assigned = set(event.partitions)
-        self.positions = {p: o for p, o in self.positions.items() if p in self.assigned}
-        for p in added:
+        added = sorted(new - keep)
+        self.assigned = new
+        for p in added:  # where the group committed, else the start (auto.offset.reset earliest)
             self.positions[p] = self.kafka.offsets.get((self.group, self.topic, p), 0)
         self.kafka.timeline.append(("assign", self.member_id, added))
         self._callbacks["assign"](self, [TopicPartition(self.topic, p) for p in added])
