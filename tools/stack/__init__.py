@@ -165,8 +165,8 @@ BROKER_CONFIG: dict[str, str] = {
     # same timeout is how soon a dead broker is fenced and loses its
     # leaderships: on the 3-node stack a kill -9 of the leader of most
     # partitions stopped decisions for 5.6 s with 3 s (two runs; the
-    # acceptance is 5 s), so 2 s: four missed heartbeats. Defaults 9 s / 2 s
-    # heartbeats.
+    # acceptance is 5 s), so 2 s: four missed heartbeats (the cluster shortens
+    # it further: tools/cluster.py). Defaults 9 s / 2 s heartbeats.
     "broker.session.timeout.ms": "2000",
     "broker.heartbeat.interval.ms": "500",
 }
