@@ -6,7 +6,12 @@ cd "$(dirname "$0")/.."
 BIN=.venv/bin; DATA=data/transactions.parquet
 $BIN/python -m tools.stack up >/dev/null
 source .stack/env
-export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_APP_ID=thr-$RANDOM
+# Topics of its own, as bench/profile.sh: the local stack keeps earlier runs'
+# records, which a new group would otherwise decide first (from the earliest offset).
+TAG=thr-$RANDOM
+export FRAUD_CLIENT_KEYS_FILE=.stack/client-keys.json FRAUD_APP_ID=$TAG FRAUD_WORKER_ROLE=score
+export FRAUD_TOPIC_TRANSACTIONS=$TAG-tx FRAUD_TOPIC_DECISIONS=$TAG-dec FRAUD_TOPIC_DLQ=$TAG-dlq \
+  FRAUD_TOPIC_FEEDBACK=$TAG-fb FRAUD_TOPIC_MONITORING=$TAG-mon FRAUD_TOPIC_LABELS=$TAG-lab
 $BIN/fraud-pipeline keys loadgen --file "$FRAUD_CLIENT_KEYS_FILE" >/dev/null
 export FRAUD_DECISION_SIGNING_KEY_FILE=.stack/decision-key.pem FRAUD_DECISION_PUBLIC_KEYS_FILE=.stack/decision-public-keys.json
 $BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --public "$FRAUD_DECISION_PUBLIC_KEYS_FILE" >/dev/null
