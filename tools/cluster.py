@@ -75,17 +75,18 @@ CLUSTER_CONFIG: dict[str, str] = {
     # The KRaft quorum notices a lost active controller after the fetch timeout
     # and elects another within the election timeout (plus a random backoff);
     # only the new controller fences the dead node, a full broker session
-    # (2 s) after it takes over. With Kafka's defaults (2 s, 1 s, 1 s) a
-    # kill -9 of the node that was the active controller moved its
-    # leaderships after 5.3-5.6 s (no load, three kills); with these 3.3-4.1 s.
+    # after it takes over. A kill -9 of the node that was the active
+    # controller, no load, three kills each, alternating in one run
+    # (``python -m bench.failover``): its leaderships moved after 3.2-3.3 s
+    # with these, 4.5-5.2 s with Kafka's defaults (2 s, 1 s, 1 s).
     "controller.quorum.fetch.timeout.ms": "1000",
     "controller.quorum.election.timeout.ms": "500",
     "controller.quorum.election.backoff.max.ms": "500",
     # A broker fenced after 1.5 s without heartbeats (five missed), not the
     # single node's 2 s: the new controller starts every broker's session
     # afresh when it takes over, so after the controller's own loss this
-    # session comes on top of the election (3.2-3.5 s against 3.6-3.9 s, no
-    # load, three kills each).
+    # session comes on top of the election (3.2-3.5 s against 3.6-3.9 s with
+    # 2 s, no load, three kills each).
     "broker.session.timeout.ms": "1500",
     "broker.heartbeat.interval.ms": "300",
     # Fewer threads than the single node: three JVMs on two cores.
