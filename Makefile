@@ -143,12 +143,13 @@ check: setup lint
 # under load through a Redis failover, and three workers under load through the
 # loss of a broker, of a transaction coordinator and of the Redis primary in one
 # run (tests/integration/test_cluster.py, test_redis_failover.py,
-# test_cluster_faults.py). `make test` runs only their fast part.
+# test_cluster_faults.py); and the single node killed and restarted under load
+# (test_broker_restart.py). `make test` runs only their fast part.
 test-cluster: setup
 	@mkdir -p .stack
 	FRAUD_CLUSTER=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider \
 	  tests/integration/test_cluster.py tests/integration/test_redis_failover.py \
-	  tests/integration/test_cluster_faults.py
+	  tests/integration/test_cluster_faults.py tests/integration/test_broker_restart.py
 
 # The fault and fuzz tests, longer (minutes): more load, longer outages. Then
 # SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and
