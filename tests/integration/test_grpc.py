@@ -13,12 +13,13 @@ with REDIS_URL set) share, so the population's users may have spent theirs.
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,6 @@ from app.topics import partitions_of
 from gateway.grpc_codec import decision_dict, transaction_message
 from gateway.grpc_gen.fraud.v1 import fraud_pb2, fraud_pb2_grpc
 from tests.factories import new_key, stop_process, write_keys
-from tools import stack
 from tools.materialize import materialize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -57,11 +57,27 @@ STREAM_N = 1000
 STREAM_USERS = 250
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """``n`` ports nothing listens on, all different: each socket is held until
+    all are chosen. NOTE: ``stack.free_port()`` called twice can return one
+    port twice (the first is free again once its probe closes). Seen once: a
+    gateway failed to bind its gRPC port while another gateway answered there,
+    health checks included, and its calls timed out on the other's topics."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 class GrpcGateway:
     """``fraud-pipeline gateway`` with gRPC on, as a subprocess signalled only by its own PID."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, *, grpc_port_flag: bool) -> None:
-        self.port, self.grpc_port = stack.free_port(), stack.free_port()
+    def __init__(self, env: dict[str, str], log_path: Path, *, grpc_port_flag: bool, ports: Sequence[int]) -> None:
+        self.port, self.grpc_port = ports
         self.url = f"http://127.0.0.1:{self.port}"
         self.target = f"127.0.0.1:{self.grpc_port}"
         self.log_path = log_path
@@ -159,9 +175,10 @@ def rig(
     gateways: list[GrpcGateway] = []
     try:
         worker = workers.start()
-        gateways.append(GrpcGateway(gateway_env, workdir / "gateway.log", grpc_port_flag=False))
+        ports = distinct_free_ports(4)
+        gateways.append(GrpcGateway(gateway_env, workdir / "gateway.log", grpc_port_flag=False, ports=ports[:2]))
         gateways.append(GrpcGateway({**gateway_env, **idle_topics.env()}, workdir / "gateway-idle.log",
-                                    grpc_port_flag=True))  # fmt: skip
+                                    grpc_port_flag=True, ports=ports[2:]))  # fmt: skip
         for gateway in gateways:
             gateway.wait_ready()
         asyncio.run(worker.wait_for_log("Ready", READY_TIMEOUT_S))
