@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import tempfile
 import time
@@ -50,23 +49,6 @@ VARIANTS: dict[str, dict[str, str]] = {
     "session_2s": {"broker.session.timeout.ms": "2000", "broker.heartbeat.interval.ms": "500"},
 }
 
-#: The line a node logs when it becomes the active controller (its log is at WARN).
-ACTIVATION = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\] .*Performing controller activation")
-
-
-def active_controller(state: Path, nodes: int) -> int:
-    """The node that last logged its activation (KRaft's admin API names a random broker)."""
-    found = [
-        (m.group(1), index)
-        for index in range(1, nodes + 1)
-        for line in (state / f"broker-{index}.log").read_text(errors="replace").splitlines()
-        if (m := ACTIVATION.match(line))
-    ]
-    if not found:
-        raise RuntimeError(f"no node in {state} logged a controller activation")
-    return max(found)[1]
-
-
 async def _leaders(bootstrap: str) -> dict[tuple[str, int], tuple[int, int]]:
     described = await cluster.describe_partitions(Settings(kafka_bootstrap=bootstrap))
     return {(t, p["partition"]): (p["leader"], len(p["isr"])) for t, parts in described.items() for p in parts}
@@ -88,7 +70,7 @@ def _up(variant: str, root: Path) -> tuple[Path, cluster.Cluster, dict[str, str]
 async def kill_controller(state: Path, layout: cluster.Cluster, env: dict[str, str]) -> dict[str, Any]:
     """Kill the active controller; seconds until none of its leaderships is left; restart it."""
     nodes = len(layout.nodes)
-    victim = active_controller(state, nodes)
+    victim = cluster.active_controller(state, nodes)
     others = ",".join(f"127.0.0.1:{port}" for i, (port, _) in enumerate(layout.nodes, 1) if i != victim)
     os.kill(int((state / f"broker-{victim}.pid").read_text()), signal.SIGKILL)
     killed = time.monotonic()
@@ -111,7 +93,7 @@ async def kill_controller(state: Path, layout: cluster.Cluster, env: dict[str, s
         except Exception:
             pass
         await asyncio.sleep(0.5)
-    return {"node": victim, "moved_s": round(moved_s, 2), "controller_after": active_controller(state, nodes)}
+    return {"node": victim, "moved_s": round(moved_s, 2), "controller_after": cluster.active_controller(state, nodes)}
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import logging
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ from tools import stack as st
 
 __all__ = [
     "CLUSTER_CONFIG", "DEFAULT_BROKER_PORT", "DEFAULT_REDIS_PORT", "Cluster", "cluster_down", "cluster_status",
-    "cli", "cluster_up", "default_state_dir", "describe_partitions", "node_ports", "start_node",
+    "active_controller", "cli", "cluster_up", "default_state_dir", "describe_partitions", "node_ports", "start_node",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ class Cluster:
 
     @classmethod
     def free(cls, brokers: int = 3) -> Cluster:
-        return cls(tuple((st.free_port(), st.free_port()) for _ in range(brokers)),
-                   tuple(st.free_port() for _ in range(3)), tuple(st.free_port() for _ in range(3)))  # fmt: skip
+        ports = st.free_ports(2 * brokers + 6)  # all different (st.free_ports)
+        nodes = tuple((ports[2 * i], ports[2 * i + 1]) for i in range(brokers))
+        return cls(nodes, tuple(ports[-6:-3]), tuple(ports[-3:]))
 
 
 def node_ports(brokers: int, base: int) -> tuple[tuple[int, int], ...]:
@@ -237,6 +239,26 @@ def _jvm(state_dir: Path, index: int) -> list[str]:
     log4j = _node_dir(state_dir, index) / "broker-log4j.properties"
     return [st._java_binary(), *NODE_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
             f"-Dlog4j.configuration=file:{log4j}", "-cp", st._kafka_classpath()]  # fmt: skip
+
+
+#: The line a node logs when it becomes the active controller (its log is at WARN).
+_ACTIVATION = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\] .*Performing controller activation")
+
+
+def active_controller(state_dir: Path, nodes: int = 3) -> int:
+    """The node that last became the active KRaft controller, from the nodes'
+    logs (Kafka's admin API names a random broker as the controller under KRaft).
+    A restarted node's log starts afresh; the active controller's activation is
+    always in its own log, written after its last start."""
+    found = [
+        (m.group(1), index)
+        for index in range(1, nodes + 1)
+        for line in _node_log(state_dir, index).read_text(errors="replace").splitlines()
+        if (m := _ACTIVATION.match(line))
+    ]
+    if not found:
+        raise StackError(f"no node in {state_dir} logged a controller activation")
+    return max(found)[1]
 
 
 def _node_dir(state_dir: Path, index: int) -> Path:

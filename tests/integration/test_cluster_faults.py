@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -92,8 +91,6 @@ TRANSACTION_COORDINATOR = 1
 #: KRaft controller instead (every node is a voter): a broker's loss at its
 #: worst, an election before the fencing (RELIABILITY.md).
 FIRST_KILL = os.environ.get("FRAUD_CLUSTER_FIRST_KILL", "leader")
-#: The line a node logs when it becomes the active controller (its log is at WARN).
-ACTIVATION = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\] .*Performing controller activation")
 
 
 @dataclass
@@ -126,19 +123,6 @@ async def _leader_of_most(settings: Settings, topic: str) -> int:
     parts = (await cluster.describe_partitions(settings, [topic]))[topic]
     leaders: list[int] = [p["leader"] for p in parts]
     return max(set(leaders), key=leaders.count)
-
-
-def _active_controller(up: Stack) -> int:
-    """The node that last became the active controller, from the nodes' logs
-    (Kafka's admin API names a random broker as the controller under KRaft)."""
-    activations = [
-        (m.group(1), index)
-        for index in range(1, len(up.layout.nodes) + 1)
-        for line in (up.state / f"broker-{index}.log").read_text(errors="replace").splitlines()
-        if (m := ACTIVATION.match(line))
-    ]
-    assert activations, "no node logged its controller activation"
-    return max(activations)[1]
 
 
 async def _coordinator(bootstrap: str, transactional_id: str) -> int:
@@ -257,7 +241,7 @@ def test_a_broker_the_coordinator_and_the_redis_primary_lost_under_load(
                                                       rate=RATE, duration=LOAD_S, sent=sent))  # fmt: skip
                 at["load"] = time.time()
                 await asyncio.sleep(BROKER_AT_S)
-                first = _active_controller(up) if FIRST_KILL == "controller" else None
+                first = cluster.active_controller(up.state) if FIRST_KILL == "controller" else None
                 await kill_node(first or await _leader_of_most(settings, topics.transactions), "broker")
                 await in_sync("broker")
                 await asyncio.sleep(max(0.0, begin + COORDINATOR_AT_S - time.monotonic()))

@@ -48,11 +48,12 @@ def test_the_secure_demo_decides_everything_with_every_role_on_its_own_user(
 ) -> None:
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP", "REDIS_URL") and not k.startswith("FRAUD_")}
+    broker, redis_port, web, feedback_web = stack.free_ports(4)
     env.update(
         SECURE="1", DEMO_STATE_DIR=str(state), DEMO_DATA=str(_data_file(sim_frame, tmp_path)),
         DEMO_REGISTRY=str(trained_registry), DEMO_BIN=str(Path(sys.executable).parent),
-        DEMO_BROKER_PORT=str(stack.free_port()), DEMO_REDIS_PORT=str(stack.free_port()),
-        DEMO_WEB_PORT=str(stack.free_port()), DEMO_FEEDBACK_WEB_PORT=str(stack.free_port()),
+        DEMO_BROKER_PORT=str(broker), DEMO_REDIS_PORT=str(redis_port),
+        DEMO_WEB_PORT=str(web), DEMO_FEEDBACK_WEB_PORT=str(feedback_web),
     )  # fmt: skip
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh"), str(RATE), str(DURATION)],

@@ -13,7 +13,6 @@ with REDIS_URL set) share, so the population's users may have spent theirs.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from app.topics import partitions_of
 from gateway.grpc_codec import decision_dict, transaction_message
 from gateway.grpc_gen.fraud.v1 import fraud_pb2, fraud_pb2_grpc
 from tests.factories import new_key, stop_process, write_keys
+from tools import stack
 from tools.materialize import materialize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -55,22 +55,6 @@ USER_BURST, USER_RATE = 5, 0.05
 STREAM_N = 1000
 #: Users of the stream: 4 transactions each, inside USER_BURST.
 STREAM_USERS = 250
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    """``n`` ports nothing listens on, all different: each socket is held until
-    all are chosen. NOTE: ``stack.free_port()`` called twice can return one
-    port twice (the first is free again once its probe closes). Seen once: a
-    gateway failed to bind its gRPC port while another gateway answered there,
-    health checks included, and its calls timed out on the other's topics."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 class GrpcGateway:
@@ -175,7 +159,7 @@ def rig(
     gateways: list[GrpcGateway] = []
     try:
         worker = workers.start()
-        ports = distinct_free_ports(4)
+        ports = stack.free_ports(4)  # two gateways: four different ports
         gateways.append(GrpcGateway(gateway_env, workdir / "gateway.log", grpc_port_flag=False, ports=ports[:2]))
         gateways.append(GrpcGateway({**gateway_env, **idle_topics.env()}, workdir / "gateway-idle.log",
                                     grpc_port_flag=True, ports=ports[2:]))  # fmt: skip

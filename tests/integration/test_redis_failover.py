@@ -53,8 +53,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 @pytest.fixture
 def ha(tmp_path: Path) -> Iterator[redis_ha.RedisHA]:
     """A fresh replicated Redis per test: each test kills its primary."""
-    started = redis_ha.start_redis_ha([stack.free_port() for _ in range(3)], [stack.free_port() for _ in range(3)],
-                                      tmp_path / "redis-ha")  # fmt: skip
+    ports = stack.free_ports(6)
+    started = redis_ha.start_redis_ha(ports[:3], ports[3:], tmp_path / "redis-ha")
     try:
         yield started
     finally:

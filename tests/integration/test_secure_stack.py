@@ -83,7 +83,7 @@ class CommandLines(threading.Thread):
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
     state_dir = tmp_path_factory.mktemp("secure-stack")
-    ports = {"broker_port": stack.free_port(), "redis_port": stack.free_port()}
+    ports = dict(zip(("broker_port", "redis_port"), stack.free_ports(2), strict=True))
     with mock.patch.dict(os.environ):
         os.environ.pop("KAFKA_BOOTSTRAP", None)  # a set one would be taken as given, not started
         os.environ.pop("REDIS_URL", None)

@@ -185,7 +185,7 @@ def test_stack_up_reuses_and_down_stops_both(
 ) -> None:
     monkeypatch.delenv("KAFKA_BOOTSTRAP", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)
-    ports = {"broker_port": stack.free_port(), "redis_port": stack.free_port()}
+    ports = dict(zip(("broker_port", "redis_port"), stack.free_ports(2), strict=True))
 
     env = stack.stack_up(tmp_path, **ports)
 

@@ -84,3 +84,22 @@ def test_two_brokers_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert stack.main(["status", "--brokers", "2"]) == 2
     assert "--brokers is 1 or at least 3" in capsys.readouterr().err
+
+
+def test_the_active_controller_is_the_node_that_last_logged_its_activation(tmp_path: Path) -> None:
+    """Node 1 was the controller, then node 3 took over; node 1 was restarted
+    since (its log starts afresh): node 3 is named, whatever the log order."""
+    line = "[2026-12-04 20:{t},000] WARN [QuorumController id={n}] Performing controller activation. Loaded ZK migration state of NONE."
+    (tmp_path / "broker-1.log").write_text("[2026-12-04 20:53:40,000] INFO started\n")
+    (tmp_path / "broker-2.log").write_text(line.format(t="52:01", n=2) + "\n")
+    (tmp_path / "broker-3.log").write_text("noise\n" + line.format(t="53:34", n=3) + "\n")
+    assert cluster.active_controller(tmp_path) == 3
+    (tmp_path / "broker-2.log").write_text(line.format(t="54:10", n=2) + "\n")
+    assert cluster.active_controller(tmp_path) == 2
+
+
+def test_a_cluster_on_free_ports_never_gives_one_port_twice() -> None:
+    for _ in range(20):
+        layout = cluster.Cluster.free()
+        ports = [p for node in layout.nodes for p in node] + [*layout.redis_nodes, *layout.sentinels]
+        assert len(ports) == 12 and len(set(ports)) == 12

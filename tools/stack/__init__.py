@@ -74,6 +74,7 @@ __all__ = [
     "ServiceHandle",
     "StackError",
     "free_port",
+    "free_ports",
     "main",
     "pid_alive",
     "provision_secure",
@@ -329,10 +330,23 @@ def _ready_or_stopped(handle: ServiceHandle, wait: _Wait) -> ServiceHandle:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different ports that nothing listens on now: each probe is held
+    until all are chosen. NOTE: ``free_port()`` called twice can return one port
+    twice (the first is free again once its probe closes). Seen once: a test's
+    gateway failed to bind its gRPC port while its other gateway answered there,
+    health checks included, and its calls timed out on the other's topics."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _ensure_port_free(port: int, name: str) -> None:
