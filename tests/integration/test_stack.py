@@ -45,7 +45,13 @@ def test_topic_partitions_keys_and_headers_round_trip(
         await admin.start()
         try:
             await admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
-            [described] = await admin.describe_topics([topic])
+            # CreateTopics answers once the controller has the topic; the broker's
+            # metadata cache learns it a moment later, so describe until it does.
+            for _ in range(50):
+                [described] = await admin.describe_topics([topic])
+                if described["partitions"]:
+                    break
+                await asyncio.sleep(0.1)
         finally:
             await admin.close()
         assert len(described["partitions"]) == 3
