@@ -27,6 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -80,7 +81,7 @@ class Runtime:
     @classmethod
     def load(cls, settings: Settings) -> Runtime:
         rules = load_rules(settings.rules_path)
-        model = load_ensemble(settings.registry_dir, settings.model_version)
+        model = load_ensemble(settings.registry_dir, settings.model_version, compiled_dir=compiled_dir(settings))
         keys = ClientKeys.load(
             settings.client_keys_file,
             settings.client_keys.get_secret_value() if settings.client_keys else None,
@@ -128,6 +129,7 @@ class Runtime:
             check_every_s=s.reload_check_s,
             drift_window_rows=s.drift_window_rows,
             drift_warn_psi=s.drift_warn_psi,
+            load=lambda registry, version: load_ensemble(registry, version, compiled_dir=compiled_dir(s)),
         )
 
     def admission(self, client: Any) -> Admission:
@@ -141,6 +143,11 @@ class Runtime:
                 client, s.rate_client_per_s, s.rate_client_burst, s.rate_user_per_s, s.rate_user_burst
             ),
         )
+
+
+def compiled_dir(settings: Settings) -> Path | None:
+    """Where the served model's compiled trees live, or None: XGBoost only."""
+    return settings.compiled_trees_dir if settings.compiled_trees else None
 
 
 def load_decision_signer(settings: Settings) -> DecisionSigner:

@@ -278,6 +278,16 @@ class Settings(BaseSettings):
     model_version: str | None = None
     """Model version to serve; unset = the registry's current version."""
 
+    compiled_trees: bool = True
+    """Score with the served model's trees compiled to C (built in the
+    background on first load, XGBoost serving meanwhile; models/compiled.py).
+    False: XGBoost only. Without tl2cgen or a C compiler XGBoost serves anyway."""
+
+    compiled_trees_dir: Path = Path.home() / ".cache" / "fraud-pipeline" / "compiled-trees"
+    """Where a worker keeps the compiled libraries, one per model version and
+    machine. Loading a library runs its code: the directory must be the
+    worker's own (created 0700; one writable by others is refused)."""
+
     rules_path: Path = Path("config/rules.json")
 
     decision_cache_ttl_s: int = 3600

@@ -1,7 +1,7 @@
 """Compiled trees against XGBoost: the served model's members as C (treelite +
 tl2cgen, built with gcc) vs XGBoost's ``inplace_predict``, per batch size.
 
-    pip install -e '.[compiled]' && python -m bench.compiled [REGISTRY_VERSION_DIR]
+    python -m bench.compiled [REGISTRY_VERSION_DIR]
 
 Per member and batch size 1/8/32/64: process CPU µs per call (the best of 3
 passes over 50 batches; CPU time moves far less than wall time on a shared

@@ -36,6 +36,7 @@ import xgboost as xgb
 
 from app.errors import ModelIntegrityError, ModelNotFound
 from models.combination import Combination
+from models.compiled import compile_in_background
 from models.ensemble import Member, XGBoostEnsemble
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION
 
@@ -195,9 +196,16 @@ def verify(folder: Path, manifest: dict[str, Any]) -> None:
 
 
 def load_ensemble(
-    registry: Path, version: str | None = None, *, warm_up: bool = True, threads: int = 1
+    registry: Path,
+    version: str | None = None,
+    *,
+    warm_up: bool = True,
+    threads: int = 1,
+    compiled_dir: Path | None = None,
 ) -> XGBoostEnsemble:
-    """Verify, load and (by default) warm up a version."""
+    """Verify, load and (by default) warm up a version; with ``compiled_dir``,
+    its trees compiled to C are attached from there, or once built in the
+    background (models/compiled.py)."""
     manifest = read_manifest(registry, version)
     folder = registry / manifest["version"]
     verify(folder, manifest)
@@ -219,6 +227,8 @@ def load_ensemble(
         timezone=manifest.get("timezone", "UTC"),  # versions from before the field: UTC, as they were trained
         combination=Combination.from_manifest(manifest.get("combination"), manifest["members"]),
     )
+    if compiled_dir is not None and ensemble.merged is not None:
+        compile_in_background(ensemble.merged, compiled_dir, ensemble.use_compiled)
     if warm_up:
         ensemble.warm_up()
     return ensemble

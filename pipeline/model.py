@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Prediction", "ScoringModel"]
+__all__ = ["InlineScoring", "Prediction", "ScoringModel"]
 
 
 @dataclass(frozen=True)
@@ -30,4 +30,14 @@ class ScoringModel(Protocol):
     def predict(self, features: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
         """Scores per row; reasons for rows scoring at least ``explain_above``
         (None: no reasons, e.g. for a shadow model)."""
+        ...
+
+
+class InlineScoring(Protocol):
+    """What a model may offer beside :class:`ScoringModel`: scores cheap and
+    bounded enough to compute on the event loop (the scorer looks for it and
+    uses it for batches whose rows all score under the review threshold)."""
+
+    def inline_scores(self, features: np.ndarray) -> np.ndarray | None:
+        """Fraud probability per row, or None when not available right now."""
         ...

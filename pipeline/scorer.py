@@ -722,6 +722,18 @@ class Scorer:
         # Reasons for the rows the rules will not approve on score alone; an
         # approval is explained by its score under the review threshold.
         explain_above = self.rules.review_threshold
+        # A model with scores cheap enough for the loop (compiled trees) answers a
+        # batch that needs no reasons here: the hand-off to the model thread and
+        # back (a submit, then a wake-up of the loop) cost more than the trees.
+        inline = getattr(self.model, "inline_scores", None)
+        if inline is not None:
+            try:
+                scores = inline(matrix)
+            except Exception:
+                log.exception("inline scores failed; predicting on the model thread")
+                scores = None
+            if scores is not None and not np.any(scores >= explain_above):
+                return Prediction(scores, []), None
         future = loop.run_in_executor(self._model_thread, self.model.predict, matrix, explain_above)
         try:
             return await asyncio.wait_for(future, self.model_budget_s), None

@@ -462,6 +462,34 @@ def test_a_model_over_its_budget_degrades_within_the_budget(world: World) -> Non
     scorer._model_thread.shutdown(wait=True)
 
 
+class InlineModel(ConstantModel):
+    """Scores also offered for the loop (as compiled trees are)."""
+
+    def __init__(self, score: float) -> None:
+        super().__init__(score)
+        self.inline_calls = 0
+
+    def inline_scores(self, matrix: np.ndarray) -> np.ndarray:
+        self.inline_calls += 1
+        return np.full(matrix.shape[0], self.score)
+
+
+def test_a_batch_that_needs_no_reasons_is_scored_without_the_model_thread(world: World) -> None:
+    low = InlineModel(0.05)
+    got = decisions(score(make_scorer(world, low), [inbound(world.tx(i, amount=30.0), world) for i in range(40, 44)]))
+    assert (low.inline_calls, low.calls) == (1, 0)
+    assert [(d["action"], d["degraded"], d["fraud_score"]) for d in got] == [("approve", False, 0.05)] * 4
+    assert all(d["model_version"] == low.version for d in got)
+
+
+def test_a_batch_with_a_row_to_explain_goes_to_the_model_thread_for_its_reasons(world: World) -> None:
+    high = InlineModel(RULES.review_threshold + 0.01)
+    [d] = decisions(score(make_scorer(world, high), [inbound(world.tx(44, amount=30.0), world)]))
+    assert (high.inline_calls, high.calls) == (1, 1)
+    assert d["action"] == "review" and not d["degraded"]
+    assert d["explanation"][1].startswith("amount "), d["explanation"]  # the reason the model gave
+
+
 def test_a_failing_model_degrades_to_rules(world: World) -> None:
     class Broken(ConstantModel):
         def predict(self, matrix: np.ndarray, explain_above: float | None = 0.0) -> Prediction:
