@@ -18,8 +18,14 @@ COPY models ./models
 COPY agents ./agents
 COPY gateway ./gateway
 COPY tools ./tools
+# gcc: the worker compiles the served trees to C (models/compiled.py); without
+# it XGBoost scores, at ~0.15 ms more per batch.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # The worker runs as a non-root user; Faust keeps table state under .stack/faust
-# (settings.data_dir, relative to /srv), the one place it writes.
+# (settings.data_dir, relative to /srv) and the compiled trees under
+# .stack/compiled-trees: the one place it writes.
+ENV FRAUD_COMPILED_TREES_DIR=/srv/.stack/compiled-trees
 RUN pip install . \
     && useradd --system --uid 10001 --no-create-home --home-dir /srv fraud \
     && mkdir -p /srv/.stack \

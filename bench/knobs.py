@@ -50,6 +50,9 @@ KNOBS: dict[str, dict[str, str]] = {
     "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
+    # Scores from XGBoost instead of the compiled trees (models/compiled.py).
+    "xgboost_trees": {"FRAUD_COMPILED_TREES": "false"},
+    "compiled_trees": {"FRAUD_COMPILED_TREES": "true"},
     "workers_2": {},
     "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
 }
