@@ -91,6 +91,9 @@ class FakeKafka:
         self.timeline: list[tuple[Any, ...]] = []
         self.init_errors: list[KafkaError] = []
         self.produce_errors: list[KafkaError] = []
+        #: The producer's local queue is full once, when the open transaction
+        #: holds this many records (produce raises BufferError, as librdkafka's).
+        self.queue_full_at: int | None = None
         self.offsets_errors: list[KafkaError] = []
         #: When set, send_offsets_to_transaction blocks until it is released, past
         #: any timeout: librdkafka's behaviour with its group coordinator lost.
@@ -335,6 +338,9 @@ class FakeProducer:
         txn = self._open()
         if self.kafka.produce_errors:
             raise KafkaException(self.kafka.produce_errors.pop(0))
+        if self.kafka.queue_full_at is not None and len(txn.records) == self.kafka.queue_full_at:
+            self.kafka.queue_full_at = None
+            raise BufferError("Local: Queue full")
         if partition < 0:
             n = self.kafka.partitions.get(topic, 1)
             partition = zlib.crc32(key) % n if key is not None else 0

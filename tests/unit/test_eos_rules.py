@@ -318,6 +318,23 @@ def test_a_produce_error_ends_the_transaction_aborted() -> None:
     assert seen(kafka) == [b"p0-0", b"p0-1"]
 
 
+def test_a_full_producer_queue_delays_the_send_and_loses_or_doubles_no_record() -> None:
+    """produce() raising BufferError halfway through a batch: the rest is
+    produced once the queue drains, in the same transaction."""
+    kafka = new_kafka()
+    fill(kafka, 0, 4)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        kafka.queue_full_at = 2
+        seq = await s.send(batch, echo(batch))
+        assert kafka.queue_full_at is None  # it was full once
+        assert await s.commit() == [(seq, "committed")]
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3"]
+
+
 def consumer_of_all_seeks(kafka: FakeKafka) -> list[tuple[int, int]]:
     return [seek for c in kafka.consumers for seek in c.seeks]
 
