@@ -120,7 +120,8 @@ def test_status_shows_each_node_the_leaders_the_isr_and_the_redis_primary(up: tu
                  "redis-2", "redis-3", "sentinel-1", "sentinel-2", "sentinel-3"):  # fmt: skip
         assert f"{name} " in out and "NOT running" not in out
     assert out.count(", active") == 1  # one active controller
-    assert "__transaction_state" in out and "transactions " in out and "*" not in out.split("\n", 10)[-1]
+    partitions = out.split("(* under-replicated)\n", 1)[1]
+    assert "__transaction_state" in partitions and "transactions " in partitions and "*" not in partitions
     assert "redis: primary 127.0.0.1:" in out and "3 Sentinels" in out
 
 
