@@ -21,14 +21,14 @@ SOAK_VARIANT ?= ceiling
 # SOAK_BROKERS=3: the soak on the replicated stack instead (tools/cluster.py):
 # the batched pipeline at SOAK_CLUSTER_RATE with SOAK_WORKERS scoring workers, a
 # feedback worker consuming labels, a model promoted mid-run, the baseline after
-# SOAK_WARMUP minutes (three JVMs warm slower than one); no fault tests
+# SOAK_WARMUP minutes (three brokers warm slower than one); no fault tests
 # (test-cluster has the cluster's). bench/results/soak-cluster.json and .png.
 SOAK_BROKERS ?= 1
 SOAK_CLUSTER_RATE ?= 150
 SOAK_WORKERS ?= 1
 SOAK_WARMUP ?= 5
-# stack-up / stack-status: 1 broker and 1 Redis, or BROKERS=3: a 3-node KRaft
-# cluster and a Redis primary with 2 replicas and 3 Sentinels (tools/cluster.py).
+# stack-up / stack-status: 1 broker and 1 Redis, or BROKERS=3: 3 Kafka brokers,
+# 3 KRaft controllers and a Redis primary with 2 replicas and 3 Sentinels (tools/cluster.py).
 BROKERS ?= 1
 
 # What only the tests need (the demo does not): docker-compose validates
@@ -138,7 +138,7 @@ test: setup test-tools lint
 check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
 
-# The replicated stack (minutes: three Kafka JVMs, Redis with Sentinels): up,
+# The replicated stack (minutes: three Kafka brokers and three controllers, Redis with Sentinels): up,
 # status, down, a broker lost under acks=all, the secure cluster, a worker
 # under load through a Redis failover, and three workers under load through the
 # loss of a broker, of a transaction coordinator and of the Redis primary in one

@@ -21,7 +21,7 @@ w = max(1, (minutes - 2) // 2). Writes ``soak.json`` and ``soak.png`` to
 ``--out``; exits 1 when the verdict fails.
 
 ``--brokers 3`` soaks the replicated stack instead (``tools/cluster.py``: three
-KRaft nodes, every topic with 3 replicas and min ISR 2, Redis with two replicas
+brokers and three KRaft controllers, every topic with 3 replicas and min ISR 2, Redis with two replicas
 and three Sentinels), as a deployment runs: ``--workers`` scoring workers, a
 ``--role feedback`` worker consuming ``--label-share`` of the transactions'
 labels, and a model version promoted through ``fraud-pipeline models promote``
@@ -84,7 +84,7 @@ CLUSTER_LABEL_SHARE = 0.05
 LABELS_SETTLE_S = 15.0
 #: A worker's start on the cluster: faust declares its changelog and repartition
 #: topics (3 replicas each) and its group rebalances as they appear, on cores the
-#: three JVMs share; one start there took over bench.run's 90 s.
+#: six JVMs share; one start there took over bench.run's 90 s.
 CLUSTER_READY_S = 240.0
 COLUMNS = ("minute", "decided_per_s", "p50_ms", "p99_ms", "broker_cpu_ms_per_message",
            "worker_cpu_ms_per_decision", "broker_rss_mb", "worker_rss_mb", "in_flight")  # fmt: skip

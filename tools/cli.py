@@ -628,7 +628,7 @@ def _add_setup_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--secure", action="store_true",
                    help="up: SASL/SCRAM over TLS with per-role ACLs (SECURITY.md)")  # fmt: skip
     p.add_argument("--brokers", type=int, default=1,
-                   help="3: a 3-node KRaft cluster and a Redis with replicas and Sentinels (tools/cluster.py)")  # fmt: skip
+                   help="3: 3 Kafka brokers, 3 KRaft controllers and a Redis with replicas and Sentinels (tools/cluster.py)")  # fmt: skip
     p.set_defaults(func=cmd_stack)
 
 

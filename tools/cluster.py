@@ -1,24 +1,29 @@
-"""The replicated local stack: three Kafka KRaft nodes and a Redis that fails over.
+"""The replicated local stack: three Kafka brokers, three dedicated KRaft
+controllers, and a Redis that fails over.
 
 ``python -m tools.stack up --brokers 3`` (``make stack-up BROKERS=3``) starts it;
-``status --brokers 3`` shows each node, every partition's leader and in-sync
-replicas, and which Redis node is primary; ``down --brokers 3`` stops exactly
-the PIDs ``up`` wrote. State lives in ``.stack/cluster`` (``--secure``:
+``status --brokers 3`` shows each process (which controller is active), every
+partition's leader and in-sync replicas, and which Redis node is primary;
+``down --brokers 3`` stops exactly the PIDs ``up`` wrote (the controllers'
+included). State lives in ``.stack/cluster`` (``--secure``:
 ``.stack/cluster-secure``), apart from the single node's, so both can exist.
 
-Kafka: three JVMs, each broker *and* controller (``process.roles=broker,controller``,
-three voters). Combined roles because this is one 2-core machine: three more
-controller JVMs would cost ~1 GB and a core's share for nothing a loopback test
-can show; losing a node then loses a broker and a voter together, the harder
-case (production separates them: deploy/README.md). Every topic has 3 replicas
-and ``min.insync.replicas=2`` (project topics: ``app/topics.py``; internal
-ones: the broker settings below); unclean leader election stays off; the
-project's producers use ``acks=all``.
+Kafka: six JVMs. Three brokers (``process.roles=broker``, node ids 1-3, named
+``broker-<i>``) hold the partitions; three controllers
+(``process.roles=controller``, node ids 101-103, named ``controller-<i>``,
+a small heap) are the KRaft quorum's voters. Killing a broker never takes the
+quorum's leader with it: the active controller, alive, fences the dead broker
+``broker.session.timeout.ms`` after its last heartbeat and moves its
+leaderships. Killing the active controller moves no leadership: the other two
+elect a new one while the brokers keep serving. Every topic has 3 replicas and
+``min.insync.replicas=2`` (project topics: ``app/topics.py``; internal ones:
+the settings below); unclean leader election stays off; the project's
+producers use ``acks=all``.
 
 Redis: a primary, two replicas and three Sentinels (``tools/redis_ha.py``).
 
-Ports: node ``i`` (from 1) listens on ``broker_port + 2(i-1)``, its controller
-on the next port; Redis nodes on ``redis_port + i - 1``, Sentinels on
+Ports: broker ``i`` (from 1) listens on ``broker_port + 2(i-1)``, controller
+``i`` on the next port; Redis nodes on ``redis_port + i - 1``, Sentinels on
 ``redis_port + 100 + i - 1``. The defaults (29092, 29379) are off the single
 stack's, so the two never collide; tests pass free ports.
 """
@@ -46,18 +51,28 @@ from tools import stack as st
 
 __all__ = [
     "CLUSTER_CONFIG", "DEFAULT_BROKER_PORT", "DEFAULT_REDIS_PORT", "Cluster", "cluster_down", "cluster_status",
-    "active_controller", "cli", "cluster_up", "default_state_dir", "describe_partitions", "node_ports", "start_node",
+    "CONTROLLERS", "CONTROLLER_ID_BASE", "active_controller", "broker_properties", "cli", "cluster_up", "controller_id",
+    "controller_properties", "default_state_dir", "describe_partitions", "start_node",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BROKER_PORT = 29092
 DEFAULT_REDIS_PORT = 29379
-#: Three JVMs share two cores with Redis, the workers and the load: each gets less
-#: than the single node's 768 MB (measured: ~250 MB heap in use at 120 TPS).
+#: Six JVMs share two cores with Redis, the workers and the load: a broker gets
+#: less than the single node's 768 MB (measured: ~250 MB heap in use at 120 TPS).
 NODE_HEAP = ("-Xms128m", "-Xmx384m")
+#: A controller holds the cluster's metadata only (a few topics, their
+#: partitions, the brokers' registrations, the ACLs and SCRAM credentials).
+CONTROLLER_HEAP = ("-Xms32m", "-Xmx128m")
+#: Controller ``i``'s node id is ``CONTROLLER_ID_BASE + i``: brokers keep ids 1-3,
+#: the ids the partitions' leaders and replicas are shown with.
+CONTROLLER_ID_BASE = 100
 
-#: Settings of a cluster node beyond the single node's (``stack.BROKER_CONFIG``).
+#: Settings of the cluster's brokers and controllers beyond the single node's
+#: (``stack.BROKER_CONFIG``). Both roles get all of them: a controller applies
+#: the topic defaults (``default.replication.factor``, unclean election) and the
+#: broker sessions, a broker the rest.
 CLUSTER_CONFIG: dict[str, str] = {
     # Internal topics (group offsets, transaction state) replicated like the
     # project's: the coordinator of a transactional id or a group can be lost.
@@ -69,44 +84,44 @@ CLUSTER_CONFIG: dict[str, str] = {
     # Kafka's default, stated: a replica that was out of sync never becomes leader
     # (it would lose acknowledged decisions).
     "unclean.leader.election.enable": "false",
-    # (``broker.session.timeout.ms``, 2 s, is the single node's too: the
-    # controller fences a broker whose heartbeats stop that long, then moves its
-    # leaderships and drops it from the in-sync replicas, which acks=all writes
-    # wait for until then.)
-    # The KRaft quorum notices a lost active controller after the fetch timeout
-    # and elects another within the election timeout (plus a random backoff);
-    # only the new controller fences the dead node, a full broker session
-    # after it takes over. A kill -9 of the node that was the active
-    # controller, no load, three kills each, alternating in one run
-    # (``python -m bench.failover``): its leaderships moved after 3.2-3.3 s
-    # with these, 4.5-5.2 s with Kafka's defaults (2 s, 1 s, 1 s).
-    "controller.quorum.fetch.timeout.ms": "1000",
-    "controller.quorum.election.timeout.ms": "500",
-    "controller.quorum.election.backoff.max.ms": "500",
     # A broker fenced after 1.5 s without heartbeats (five missed), not the
-    # single node's 2 s: the new controller starts every broker's session
-    # afresh when it takes over, so after the controller's own loss this
-    # session comes on top of the election (3.2-3.5 s against 3.6-3.9 s with
-    # 2 s, no load, three kills each).
+    # single node's 2 s: the active controller then moves its leaderships and
+    # drops it from the in-sync replicas, which acks=all writes wait for until
+    # then. With 3 s, losing the leader of most partitions stopped decisions
+    # for 5.6 s (the acceptance is 5 s). The controllers are never a broker, so
+    # no controller election comes before this fencing, and the KRaft quorum's
+    # own timeouts stay at Kafka's defaults (fetch 2 s, election 1 s, backoff up
+    # to 1 s): losing the active controller stops no decision (RELIABILITY.md),
+    # and shortened ones start elections nobody needed on a busy machine.
     "broker.session.timeout.ms": "1500",
     "broker.heartbeat.interval.ms": "300",
-    # Fewer threads than the single node: three JVMs on two cores.
+    # Fewer threads than the single node: six JVMs on two cores.
     "num.io.threads": "2",
     "num.replica.fetchers": "1",
 }
 
 
+#: The KRaft quorum's voters, whatever the number of brokers: one may be lost.
+CONTROLLERS = 3
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """Where the cluster listens: ``(port, controller port)`` per node, Redis nodes, Sentinels."""
+    """Where the cluster listens: each broker's port, each controller's, the Redis nodes', the Sentinels'."""
 
-    nodes: tuple[tuple[int, int], ...]
+    brokers: tuple[int, ...]
+    controllers: tuple[int, ...]
     redis_nodes: tuple[int, ...]
     sentinels: tuple[int, ...]
 
     @property
     def bootstrap(self) -> str:
-        return ",".join(f"127.0.0.1:{port}" for port, _ in self.nodes)
+        return ",".join(f"127.0.0.1:{port}" for port in self.brokers)
+
+    @property
+    def quorum_voters(self) -> str:
+        """``controller.quorum.voters``: ``<node id>@host:port`` of each controller."""
+        return ",".join(f"{controller_id(i)}@127.0.0.1:{port}" for i, port in enumerate(self.controllers, 1))
 
     @property
     def redis_url(self) -> str:
@@ -114,18 +129,20 @@ class Cluster:
 
     @classmethod
     def at(cls, brokers: int, broker_port: int, redis_port: int) -> Cluster:
-        return cls(node_ports(brokers, broker_port), tuple(redis_port + i for i in range(3)),
-                   tuple(redis_port + 100 + i for i in range(3)))  # fmt: skip
+        return cls(tuple(broker_port + 2 * i for i in range(brokers)),
+                   tuple(broker_port + 2 * i + 1 for i in range(CONTROLLERS)),
+                   tuple(redis_port + i for i in range(3)), tuple(redis_port + 100 + i for i in range(3)))  # fmt: skip
 
     @classmethod
     def free(cls, brokers: int = 3) -> Cluster:
-        ports = st.free_ports(2 * brokers + 6)  # all different (st.free_ports)
-        nodes = tuple((ports[2 * i], ports[2 * i + 1]) for i in range(brokers))
-        return cls(nodes, tuple(ports[-6:-3]), tuple(ports[-3:]))
+        ports = st.free_ports(brokers + CONTROLLERS + 6)  # all different (st.free_ports)
+        return cls(tuple(ports[:brokers]), tuple(ports[brokers : brokers + CONTROLLERS]), tuple(ports[-6:-3]),
+                   tuple(ports[-3:]))  # fmt: skip
 
 
-def node_ports(brokers: int, base: int) -> tuple[tuple[int, int], ...]:
-    return tuple((base + 2 * i, base + 2 * i + 1) for i in range(brokers))
+def controller_id(index: int) -> int:
+    """Controller ``index``'s (from 1) KRaft node id."""
+    return CONTROLLER_ID_BASE + index
 
 
 def default_state_dir(secure: bool) -> Path:
@@ -136,9 +153,10 @@ def default_state_dir(secure: bool) -> Path:
 
 
 def cluster_up(state_dir: Path, cluster: Cluster, *, secure: bool = False) -> dict[str, str]:
-    """Start every node and the replicated Redis; create the project's topics (3
-    replicas); write and return the env (``KAFKA_BOOTSTRAP``, ``REDIS_URL``, and
-    on the secure stack how to reach it). On failure, everything started is stopped.
+    """Start the controllers, the brokers and the replicated Redis; create the
+    project's topics (3 replicas); write and return the env (``KAFKA_BOOTSTRAP``,
+    ``REDIS_URL``, and on the secure stack how to reach it). On failure,
+    everything started is stopped.
 
     Idempotent: when every PID file names a live process of ours, they are reused.
     """
@@ -150,14 +168,25 @@ def cluster_up(state_dir: Path, cluster: Cluster, *, secure: bool = False) -> di
         return st._read_env(state_dir / "env")
     if live:
         raise StackError(f"part of the cluster in {state_dir} runs ({', '.join(live)}): "
-                         f"`python -m tools.stack down --brokers {len(cluster.nodes)}` first")  # fmt: skip
+                         f"`python -m tools.stack down --brokers {len(cluster.brokers)}` first")  # fmt: skip
     started: list[st.ServiceHandle] = []
     try:
-        _start_nodes(state_dir, cluster, secure, started)
-        ha = redis_ha.start_redis_ha(list(cluster.redis_nodes), list(cluster.sentinels), state_dir, secure=secure)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            # Redis needs no JVM: it starts while they do (~2.5 s less to wait).
+            # If it fails, it stops what it started; Kafka is stopped below.
+            redis_job = pool.submit(redis_ha.start_redis_ha, list(cluster.redis_nodes), list(cluster.sentinels),
+                                    state_dir, secure=secure)  # fmt: skip
+            kafka_error: BaseException | None = None
+            try:
+                _start_kafka(state_dir, cluster, secure, started)
+            except BaseException as exc:  # Redis's handles are recorded first, so they are stopped too
+                kafka_error = exc
+            ha = redis_job.result()
         for handle in [*ha.nodes, *ha.sentinels]:
             started.append(handle)
             st._pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
+        if kafka_error is not None:
+            raise kafka_error
         st._run_sync(_provision(state_dir, cluster, secure))
     except BaseException:
         for handle in reversed(started):
@@ -172,101 +201,181 @@ def cluster_up(state_dir: Path, cluster: Cluster, *, secure: bool = False) -> di
     return env
 
 
-def _start_nodes(state_dir: Path, cluster: Cluster, secure: bool, started: list[st.ServiceHandle]) -> None:
-    """Format each node's log dir with one cluster id (concurrently: a JVM each),
-    start all (a quorum needs two voters up to answer), wait for each."""
-    for port, controller in cluster.nodes:
+def _start_kafka(state_dir: Path, cluster: Cluster, secure: bool, started: list[st.ServiceHandle]) -> None:
+    """Format each process's log dir with one cluster id (concurrently: a JVM
+    each), start the controllers and the brokers, wait for each (a broker
+    answers once the quorum has a leader: two controllers up)."""
+    for port in cluster.brokers:
         st._ensure_port_free(port, "broker")
-        st._ensure_port_free(controller, "broker controller")
+    for port in cluster.controllers:
+        st._ensure_port_free(port, "controller")
     if secure:
         kafka_secure.ensure_material(state_dir)
     cluster_id = st.new_cluster_id()
-    configs = [_write_node_config(state_dir, i, cluster, secure) for i in range(1, len(cluster.nodes) + 1)]
-    fresh = [i for i, _ in enumerate(configs, 1) if not (_node_dir(state_dir, i) / "kafka-logs" / "meta.properties").exists()]
-    extra = kafka_secure.format_scram_args(state_dir) if secure else []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(configs)) as pool:
-        jobs = [pool.submit(st._format_log_dir, _jvm(state_dir, i), configs[i - 1], _node_log(state_dir, i), extra, cluster_id)
-                for i in fresh]  # fmt: skip
+    names = [*(f"controller-{i}" for i in range(1, len(cluster.controllers) + 1)),
+             *(f"broker-{i}" for i in range(1, len(cluster.brokers) + 1))]  # fmt: skip
+    configs = {name: _write_config(state_dir, name, cluster, secure) for name in names}
+    fresh = [name for name in names if not (_node_dir(state_dir, name) / "kafka-logs" / "meta.properties").exists()]
+    # The SCRAM credentials go into the metadata log, which the controllers write.
+    scram = kafka_secure.format_scram_args(state_dir) if secure else []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(fresh))) as pool:
+        jobs = [pool.submit(st._format_log_dir, _jvm(state_dir, name, tool=True), configs[name], _node_log(state_dir, name),
+                            scram if name.startswith("controller") else [], cluster_id)
+                for name in fresh]  # fmt: skip
         for job in jobs:
             job.result()
-    for i in range(1, len(configs) + 1):
-        handle = _spawn_node(state_dir, i, cluster.nodes[i - 1][0])
+    handles = []
+    for name in names:
+        handle = _spawn_node(state_dir, name)
         started.append(handle)
+        handles.append(handle)
         st._pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
-    options = _admin_options(state_dir, cluster.bootstrap, secure)
-    for handle in started:
-        st.wait_broker_ready(handle.url, pid=handle.pid, log_path=handle.log_path, client=options)
+    for handle in handles:
+        _wait_ready(state_dir, handle, secure)
 
 
-def start_node(state_dir: Path, index: int) -> st.ServiceHandle:
-    """(Re)start node ``index`` from its config and log dir (after a ``kill -9``,
-    as the fault tests do); return once it answers metadata. Its PID file is rewritten."""
+def start_node(state_dir: Path, index: int, role: str = "broker") -> st.ServiceHandle:
+    """(Re)start broker (or controller) ``index`` from its config and log dir
+    (after a ``kill -9``, as the fault tests do); return once it answers (a
+    broker: metadata; a controller: ApiVersions). Its PID file is rewritten."""
     state_dir = state_dir.resolve()
-    config = _node_dir(state_dir, index) / "server.properties"
-    props = dict(line.split("=", 1) for line in config.read_text().splitlines() if "=" in line)
-    port = int(props["advertised.listeners"].rsplit(":", 1)[1])
-    handle = _spawn_node(state_dir, index, port)
+    handle = _spawn_node(state_dir, f"{role}-{index}")
     st._pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
-    secure = "SASL_SSL" in props["listeners"]
-    options = _admin_options(state_dir, handle.url, secure)
-    st.wait_broker_ready(handle.url, pid=handle.pid, log_path=handle.log_path, client=options)
+    secure = "SASL_PLAINTEXT" in _read_config(state_dir, handle.name)["listener.security.protocol.map"]
+    _wait_ready(state_dir, handle, secure)
     return handle
 
 
-def _spawn_node(state_dir: Path, index: int, port: int) -> st.ServiceHandle:
-    config = _node_dir(state_dir, index) / "server.properties"
-    return st._spawn(f"broker-{index}", [*_jvm(state_dir, index), "kafka.Kafka", str(config)],
-                     f"127.0.0.1:{port}", _node_log(state_dir, index))  # fmt: skip
+def _read_config(state_dir: Path, name: str) -> dict[str, str]:
+    config = _node_dir(state_dir, name) / "server.properties"
+    return dict(line.split("=", 1) for line in config.read_text().splitlines() if "=" in line)
 
 
-def _write_node_config(state_dir: Path, index: int, cluster: Cluster, secure: bool) -> Path:
-    port, controller = cluster.nodes[index - 1]
-    node_dir = _node_dir(state_dir, index)
-    node_dir.mkdir(parents=True, exist_ok=True)
-    props = st._broker_properties(port, controller, node_dir / "kafka-logs")
-    props.update(CLUSTER_CONFIG)
-    props["node.id"] = str(index)
-    props["controller.quorum.voters"] = ",".join(f"{i}@127.0.0.1:{c}" for i, (_, c) in enumerate(cluster.nodes, 1))
+def _spawn_node(state_dir: Path, name: str) -> st.ServiceHandle:
+    """Start broker or controller ``name`` (``broker-2``, ``controller-1``); its URL is where it listens."""
+    config = _node_dir(state_dir, name) / "server.properties"
+    port = _read_config(state_dir, name)["listeners"].split(",")[0].rsplit(":", 1)[1]
+    return st._spawn(name, [*_jvm(state_dir, name), "kafka.Kafka", str(config)], f"127.0.0.1:{port}",
+                     _node_log(state_dir, name))  # fmt: skip
+
+
+def _wait_ready(state_dir: Path, handle: st.ServiceHandle, secure: bool) -> None:
+    if handle.name.startswith("controller"):
+        _poll_controller(state_dir, handle, secure)
+    else:
+        options = _admin_options(state_dir, handle.url, secure)
+        st.wait_broker_ready(handle.url, pid=handle.pid, log_path=handle.log_path, client=options)
+
+
+def _poll_controller(state_dir: Path, handle: st.ServiceHandle, secure: bool) -> None:
+    """Until the controller answers ApiVersions on its listener (on the secure
+    stack after SASL PLAIN as ``admin``, as the brokers reach it). A controller
+    answers no Metadata request; the quorum's leader shows in the brokers'
+    readiness."""
+    from aiokafka.conn import create_conn
+
+    host, port = handle.url.rsplit(":", 1)
+    options: dict[str, Any] = {}
     if secure:
-        props.update(kafka_secure.secure_properties(state_dir, port, controller))
+        options = {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN",
+                   "sasl_plain_username": kafka_secure.ADMIN,
+                   "sasl_plain_password": kafka_secure.password_file(state_dir, kafka_secure.ADMIN).read_text().strip()}  # fmt: skip
+
+    async def api_versions(limit: float) -> None:
+        conn = await create_conn(host, int(port), client_id="fraud-stack-probe",
+                                 request_timeout_ms=max(100, int(limit * 1000)), **options)  # fmt: skip
+        conn.close()
+
+    st._poll("controller", handle.url, lambda limit: st._run_sync(api_versions(limit)), st.READY_TIMEOUT_S,
+             handle.pid, handle.log_path)  # fmt: skip
+
+
+def broker_properties(state_dir: Path, index: int, cluster: Cluster) -> dict[str, str]:
+    """Broker ``index``'s plaintext settings (``process.roles=broker``, node id ``index``)."""
+    port = cluster.brokers[index - 1]
+    props = st._broker_properties(port, cluster.controllers[0], _node_dir(state_dir, f"broker-{index}") / "kafka-logs")
+    props.update(CLUSTER_CONFIG)
+    props.update({"process.roles": "broker", "node.id": str(index), "controller.quorum.voters": cluster.quorum_voters,
+                  "listeners": f"PLAINTEXT://127.0.0.1:{port}"})  # fmt: skip
+    return props
+
+
+def controller_properties(state_dir: Path, index: int, cluster: Cluster) -> dict[str, str]:
+    """Controller ``index``'s plaintext settings (``process.roles=controller``,
+    node id :func:`controller_id`): the controller listener only."""
+    port = cluster.controllers[index - 1]
+    props = st._broker_properties(port, port, _node_dir(state_dir, f"controller-{index}") / "kafka-logs")
+    props.update(CLUSTER_CONFIG)
+    for key in ("advertised.listeners", "inter.broker.listener.name"):  # a broker's, refused on a controller
+        del props[key]
+    props.update({"process.roles": "controller", "node.id": str(controller_id(index)),
+                  "controller.quorum.voters": cluster.quorum_voters, "listeners": f"CONTROLLER://127.0.0.1:{port}",
+                  "listener.security.protocol.map": "CONTROLLER:PLAINTEXT"})  # fmt: skip
+    return props
+
+
+def _write_config(state_dir: Path, name: str, cluster: Cluster, secure: bool) -> Path:
+    role, index = name.split("-")[0], int(name.split("-")[1])
+    node_dir = _node_dir(state_dir, name)
+    node_dir.mkdir(parents=True, exist_ok=True)
+    if role == "broker":
+        props = broker_properties(state_dir, index, cluster)
+        if secure:
+            props.update(kafka_secure.secure_properties(state_dir, cluster.brokers[index - 1], None))
+    else:
+        props = controller_properties(state_dir, index, cluster)
+        if secure:
+            props.update(kafka_secure.secure_properties(state_dir, None, cluster.controllers[index - 1]))
     config = node_dir / "server.properties"
     st._write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
     (node_dir / "broker-log4j.properties").write_text(st._BROKER_LOG4J)
     return config
 
 
-def _jvm(state_dir: Path, index: int) -> list[str]:
-    log4j = _node_dir(state_dir, index) / "broker-log4j.properties"
-    return [st._java_binary(), *NODE_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
-            f"-Dlog4j.configuration=file:{log4j}", "-cp", st._kafka_classpath()]  # fmt: skip
+def _jvm(state_dir: Path, name: str, *, tool: bool = False) -> list[str]:
+    """The JVM of broker or controller ``name``, or (``tool``) of a storage tool run for it.
+
+    A controller and a tool run C1-compiled code only, with the serial
+    collector: their work is small, and the JIT's and G1's threads would take
+    the cores from the brokers at every start (six JVMs at once)."""
+    log4j = _node_dir(state_dir, name) / "broker-log4j.properties"
+    if tool or name.startswith("controller"):
+        flags = [*CONTROLLER_HEAP, "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
+    else:
+        flags = [*NODE_HEAP, "-XX:+UseG1GC"]
+    return [st._java_binary(), *flags, "-Djava.awt.headless=true", f"-Dlog4j.configuration=file:{log4j}",
+            "-cp", st._kafka_classpath()]  # fmt: skip
 
 
-#: The line a node logs when it becomes the active controller (its log is at WARN).
+#: The line a controller logs when it becomes the active one (its log is at WARN).
 _ACTIVATION = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\] .*Performing controller activation")
 
 
-def active_controller(state_dir: Path, nodes: int = 3) -> int:
-    """The node that last became the active KRaft controller, from the nodes'
-    logs (Kafka's admin API names a random broker as the controller under KRaft).
-    A restarted node's log starts afresh; the active controller's activation is
-    always in its own log, written after its last start."""
+def active_controller(state_dir: Path, controllers: int = CONTROLLERS) -> int:
+    """The controller (its index, from 1: ``controller-<i>``) that last became
+    the active KRaft controller, from the controllers' logs (Kafka's admin API
+    names a random broker as the controller under KRaft). A restarted
+    controller's log starts afresh; the active one's activation is always in
+    its own log, written after its last start."""
     found = [
         (m.group(1), index)
-        for index in range(1, nodes + 1)
-        for line in _node_log(state_dir, index).read_text(errors="replace").splitlines()
+        for index in range(1, controllers + 1)
+        if (log := _node_log(state_dir, f"controller-{index}")).exists()
+        for line in log.read_text(errors="replace").splitlines()
         if (m := _ACTIVATION.match(line))
     ]
     if not found:
-        raise StackError(f"no node in {state_dir} logged a controller activation")
+        raise StackError(f"no controller in {state_dir} logged its activation")
     return max(found)[1]
 
 
-def _node_dir(state_dir: Path, index: int) -> Path:
-    return state_dir / f"node-{index}"
+def _node_dir(state_dir: Path, name: str) -> Path:
+    """Broker or controller ``name``'s config and log dir (``broker-1``, ``controller-3``)."""
+    return state_dir / name
 
 
-def _node_log(state_dir: Path, index: int) -> Path:
-    return state_dir / f"broker-{index}.log"
+def _node_log(state_dir: Path, name: str) -> Path:
+    return state_dir / f"{name}.log"
 
 
 def _admin_settings(state_dir: Path, bootstrap: str, secure: bool) -> Settings:
@@ -283,7 +392,7 @@ async def _provision(state_dir: Path, cluster: Cluster, secure: bool) -> None:
     """Wait until every node is registered (a topic with 3 replicas needs 3
     brokers), then create the project's topics, and on the secure stack the ACLs."""
     settings = _admin_settings(state_dir, cluster.bootstrap, secure)
-    await _wait_brokers(settings, len(cluster.nodes))
+    await _wait_brokers(settings, len(cluster.brokers))
     if secure:
         await st.provision_secure(settings)
     else:
@@ -369,11 +478,18 @@ def cluster_status(state_dir: Path) -> tuple[list[str], bool]:
     secure = "FRAUD_KAFKA_SASL_MECHANISM" in env
     lines: list[str] = []
     ok = True
+    try:
+        active = f"controller-{active_controller(state_dir)}"
+    except (StackError, OSError):
+        active = ""
     for name in _names(state_dir):
         pid = st._read_pid(st._pid_path(state_dir, name))
         alive = pid is not None and st._runs(pid, _program(name))
         ok &= alive
-        lines.append(f"{name:<11} pid {pid if alive else '-':<8} {'running' if alive else 'NOT running'}")
+        role = {"broker": f"node id {name.split('-')[1]}",
+                "controller": f"node id {controller_id(int(name.split('-')[1]))}"}.get(name.split("-")[0], "")  # fmt: skip
+        role += ", active" if alive and name == active else ""
+        lines.append(f"{name:<13} pid {pid if alive else '-':<8} {'running' if alive else 'NOT running':<12}{role}".rstrip())
     if not env:
         return [*lines, "(no env: the cluster is not up)"], False
     try:
@@ -416,9 +532,11 @@ def _sentinel_ports(url: str) -> list[int]:
 
 def cluster_down(state_dir: Path) -> None:
     """Stop the processes the PID files in ``state_dir`` name (if still ours):
-    Sentinels first (no failover while the data nodes stop), then Redis, then Kafka."""
+    Sentinels first (no failover while the data nodes stop), then Redis, then
+    the brokers (their controlled shutdown needs the controllers), then the
+    controllers."""
     state_dir = state_dir.resolve()
-    for kind in ("sentinel", "redis", "broker"):
+    for kind in ("sentinel", "redis", "broker", "controller"):
         handles = []
         for name in _names(state_dir):
             if name.split("-")[0] != kind:
@@ -433,18 +551,16 @@ def cluster_down(state_dir: Path) -> None:
 
 
 def _stop_together(handles: list[st.ServiceHandle], timeout: float = 20.0) -> None:
-    """SIGTERM all at once, then wait. NOTE: one by one, the last Kafka node hangs
-    in its controlled shutdown: with two voters gone there is no controller to
-    acknowledge it (measured: SIGTERM ignored for 30 s)."""
+    """SIGTERM all at once, then wait (six JVMs one by one would take their sum)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(handles))) as pool:
         for handle, _ in zip(handles, pool.map(lambda h: h.stop(timeout), handles), strict=True):
             logger.info("stopped %s (pid %d)", handle.name, handle.pid)
 
 
 def _names(state_dir: Path) -> list[str]:
-    """The services whose PID files are in ``state_dir`` (``broker-1``, ``redis-2``, ``sentinel-3``...)."""
-    return sorted(p.stem for p in state_dir.glob("*.pid") if p.stem.split("-")[0] in ("broker", "redis", "sentinel")
-                  and "-" in p.stem)  # fmt: skip
+    """The services whose PID files are in ``state_dir`` (``broker-1``, ``controller-1``, ``redis-2``, ``sentinel-3``...)."""
+    return sorted(p.stem for p in state_dir.glob("*.pid")
+                  if p.stem.split("-")[0] in ("broker", "controller", "redis", "sentinel") and "-" in p.stem)  # fmt: skip
 
 
 def _live(state_dir: Path) -> list[str]:
@@ -458,7 +574,8 @@ def _live(state_dir: Path) -> list[str]:
 
 def _program(name: str) -> str:
     """What a live PID of ``name`` runs (its command line says so)."""
-    return {"broker": "kafka.Kafka", "redis": "redis-server", "sentinel": "redis-sentinel"}[name.split("-")[0]]
+    return {"broker": "kafka.Kafka", "controller": "kafka.Kafka", "redis": "redis-server",
+            "sentinel": "redis-sentinel"}[name.split("-")[0]]  # fmt: skip
 
 
 # --- CLI (``python -m tools.stack ... --brokers 3``) -------------------------

@@ -15,7 +15,9 @@ read them from their file (``FRAUD_KAFKA_SASL_PASSWORD_FILE``).
 Listeners: ``SASL_SSL`` (SCRAM-SHA-512 over TLS) for clients and between the
 broker and itself; the KRaft controller listener (127.0.0.1 only) uses SASL
 PLAIN, as KRaft controllers cannot use SCRAM (its credentials live in the
-metadata log the controller serves). Authorization: ``StandardAuthorizer``,
+metadata log the controller serves); on the replicated stack
+(``tools/cluster.py``) the controllers listen on that listener only, and the
+brokers reach them through it. Authorization: ``StandardAuthorizer``,
 ``admin`` the only super user, no ACL means no access.
 """
 
@@ -110,27 +112,47 @@ def ensure_material(workdir: Path) -> None:
     (tls / "ca.pem").chmod(0o644)
 
 
-def secure_properties(workdir: Path, port: int, controller_port: int) -> dict[str, str]:
-    """Listener, TLS, SASL and authorizer settings (they replace the plaintext ones)."""
+def secure_properties(workdir: Path, port: int | None, controller_port: int | None) -> dict[str, str]:
+    """Listener, TLS, SASL and authorizer settings (they replace the plaintext
+    ones) of a broker listening on ``port`` and a controller on ``controller_port``:
+    one process both (the single node), or a broker only (``controller_port``
+    None: it reaches the controllers as a client, SASL PLAIN) or a controller
+    only (``port`` None: no client listener, no TLS)."""
     admin = _password(workdir, ADMIN)
-    keystore = _password(workdir, "keystore")
-    tls = workdir / "tls"
-    scram = f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" password="{admin}";'
     plain = (
         "org.apache.kafka.common.security.plain.PlainLoginModule required "
         f'username="{ADMIN}" password="{admin}" user_{ADMIN}="{admin}";'
     )
+    props = {
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config": plain,
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "super.users": f"User:{ADMIN}",
+        "allow.everyone.if.no.acl.found": "false",
+    }
+    if port is None:
+        assert controller_port is not None
+        return {
+            "listeners": f"CONTROLLER://127.0.0.1:{controller_port}",
+            "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT",
+            **props,
+        }
+    keystore = _password(workdir, "keystore")
+    tls = workdir / "tls"
+    scram = f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" password="{admin}";'
+    listeners = f"SASL_SSL://127.0.0.1:{port}"
+    if controller_port is not None:
+        listeners += f",CONTROLLER://127.0.0.1:{controller_port}"
     return {
-        "listeners": f"SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "listeners": listeners,
         "advertised.listeners": f"SASL_SSL://127.0.0.1:{port}",
         "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:SASL_PLAINTEXT",
         "inter.broker.listener.name": "SASL_SSL",
         "sasl.mechanism.inter.broker.protocol": MECHANISM,
         "listener.name.sasl_ssl.sasl.enabled.mechanisms": MECHANISM,
         f"listener.name.sasl_ssl.{MECHANISM.lower()}.sasl.jaas.config": scram,
-        "sasl.mechanism.controller.protocol": "PLAIN",
-        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-        "listener.name.controller.plain.sasl.jaas.config": plain,
+        **props,
         "ssl.keystore.type": "PKCS12",
         "ssl.keystore.location": str(tls / "broker.p12"),
         "ssl.keystore.password": keystore,
@@ -138,9 +160,6 @@ def secure_properties(workdir: Path, port: int, controller_port: int) -> dict[st
         "ssl.truststore.type": "PEM",
         "ssl.truststore.location": str(tls / "ca.pem"),
         "ssl.enabled.protocols": "TLSv1.3,TLSv1.2",
-        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-        "super.users": f"User:{ADMIN}",
-        "allow.everyone.if.no.acl.found": "false",
     }
 
 

@@ -1,8 +1,8 @@
 """The replicated local stack, as an operator runs it: ``python -m tools.stack up
---brokers 3`` (three real Kafka KRaft JVMs, three redis-servers, three
+--brokers 3`` (three Kafka brokers and three KRaft controllers, real JVMs, three redis-servers, three
 redis-sentinels), ``status`` and ``down``.
 
-A minute or more each (three JVMs on two cores): run with ``FRAUD_CLUSTER=1``
+A minute or more each (six JVMs on two cores): run with ``FRAUD_CLUSTER=1``
 (``make test-cluster``); ``make test`` skips them.
 """
 
@@ -33,7 +33,7 @@ from tools import cluster, kafka_secure, stack
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not CLUSTER, reason="three JVMs for minutes: FRAUD_CLUSTER=1 (make test-cluster)"),
+    pytest.mark.skipif(not CLUSTER, reason="six JVMs for minutes: FRAUD_CLUSTER=1 (make test-cluster)"),
 ]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,10 +116,12 @@ def test_status_shows_each_node_the_leaders_the_isr_and_the_redis_primary(up: tu
     done = _cli("status", "--brokers", "3", "--state-dir", str(state))
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    for name in ("broker-1", "broker-2", "broker-3", "redis-1", "redis-2", "redis-3", "sentinel-1", "sentinel-2",
-                 "sentinel-3"):  # fmt: skip
+    for name in ("broker-1", "broker-2", "broker-3", "controller-1", "controller-2", "controller-3", "redis-1",
+                 "redis-2", "redis-3", "sentinel-1", "sentinel-2", "sentinel-3"):  # fmt: skip
         assert f"{name} " in out and "NOT running" not in out
-    assert "__transaction_state" in out and "transactions " in out and "*" not in out.split("\n", 10)[-1]
+    assert out.count(", active") == 1  # one active controller
+    partitions = out.split("(* under-replicated)\n", 1)[1]
+    assert "__transaction_state" in partitions and "transactions " in partitions and "*" not in partitions
     assert "redis: primary 127.0.0.1:" in out and "3 Sentinels" in out
 
 
@@ -171,7 +173,7 @@ def test_losing_the_leader_of_most_partitions_leaves_writes_going(up: tuple[Path
 def test_down_stops_exactly_what_up_started(up: tuple[Path, dict[str, str]]) -> None:
     state, _ = up
     pids = _pids(state)
-    assert len(pids) == 9
+    assert len(pids) == 12  # 3 brokers, 3 controllers, 3 Redis nodes, 3 Sentinels
     done = _cli("down", "--brokers", "3", "--state-dir", str(state))
     assert done.returncode == 0, done.stderr
     assert not any(stack.pid_alive(pid) for pid in pids.values())

@@ -39,12 +39,14 @@ def compose() -> dict[str, Any]:
 
 
 KAFKA_NODES = ("kafka-1", "kafka-2", "kafka-3")
+CONTROLLERS = ("controller-1", "controller-2", "controller-3")
 SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
 
 
 def test_services(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {*KAFKA_NODES, "topics", "redis", "redis-replica-1", "redis-replica-2",
-                                        *SENTINELS, "worker", "feedback", "gateway", "prometheus"}  # fmt: skip
+    assert set(compose["services"]) == {*CONTROLLERS, *KAFKA_NODES, "topics", "redis", "redis-replica-1",
+                                        "redis-replica-2", *SENTINELS, "worker", "feedback", "gateway",
+                                        "prometheus"}  # fmt: skip
 
 
 def test_images_are_pinned(compose: dict[str, Any]) -> None:
@@ -56,37 +58,64 @@ def test_images_are_pinned(compose: dict[str, Any]) -> None:
     assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), "the Dockerfile's base image is not pinned"
 
 
-def test_kafka_is_three_kraft_nodes_replicating_every_topic(compose: dict[str, Any]) -> None:
-    """Three voters that are brokers too; 3 replicas and 2 in sync for every topic,
-    the internal ones included; no unclean election; as the local cluster runs it."""
-    from tools.cluster import CLUSTER_CONFIG
-    from tools.stack import BROKER_CONFIG
+#: Per process, not cluster-wide: each side names its own (compose adds a host listener to the brokers).
+_PER_PROCESS = ("node.id", "process.roles", "listeners", "advertised.listeners", "listener.security.protocol.map",
+                "controller.quorum.voters", "log.dirs")  # fmt: skip
+
+
+def _same_as_the_local_cluster(name: str, env: dict[str, Any], props: dict[str, str]) -> None:
+    """Every setting ``env`` states that the local cluster's process of that role has too is equal."""
+    for key, value in props.items():
+        compose_key = "KAFKA_" + key.upper().replace(".", "_")
+        if key not in _PER_PROCESS and compose_key in env:
+            assert str(env[compose_key]).lower() == value.lower(), f"{name}: {compose_key} differs from the local cluster"
+    for key in env:  # and nothing the local cluster's process lacks (a setting only one of them runs with)
+        if key.startswith("KAFKA_") and key != "KAFKA_HEAP_OPTS":
+            prop = key.removeprefix("KAFKA_").lower().replace("_", ".")
+            assert prop in props or prop in _PER_PROCESS, f"{name}: {key} is not a setting of the local cluster's"
+
+
+def test_kafka_is_three_controllers_and_three_brokers_replicating_every_topic(compose: dict[str, Any],
+                                                                              tmp_path: Path) -> None:  # fmt: skip
+    """Three dedicated KRaft controllers (the voters) and three brokers; 3
+    replicas and 2 in sync for every topic, the internal ones included; no
+    unclean election; each process with the settings of the local cluster's
+    (tools/cluster.py) of its role."""
+    from tools import cluster
 
     services = compose["services"]
-    envs = [services[name]["environment"] for name in KAFKA_NODES]
-    assert sorted(str(env["KAFKA_NODE_ID"]) for env in envs) == ["1", "2", "3"]
+    layout = cluster.Cluster.at(3, 29092, 29379)
+    envs = [services[name]["environment"] for name in (*CONTROLLERS, *KAFKA_NODES)]
+    assert sorted(int(env["KAFKA_NODE_ID"]) for env in envs) == [1, 2, 3, 101, 102, 103]
+    assert [cluster.controller_id(i) for i in (1, 2, 3)] == [101, 102, 103]  # as the local cluster numbers them
     voters = {str(env["KAFKA_CONTROLLER_QUORUM_VOTERS"]) for env in envs}
-    assert voters == {"1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"}
+    assert voters == {"101@controller-1:9093,102@controller-2:9093,103@controller-3:9093"}
     assert len({env["CLUSTER_ID"] for env in envs}) == 1
-    host_ports = set()
-    for name, env in zip(KAFKA_NODES, envs, strict=True):
+    for index, name in enumerate(CONTROLLERS, 1):
+        env = services[name]["environment"]
         assert services[name]["image"].startswith("apache/kafka:")
-        assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+        assert env["KAFKA_PROCESS_ROLES"] == "controller" and int(env["KAFKA_NODE_ID"]) == cluster.controller_id(index)
+        assert env["KAFKA_LISTENERS"] == "CONTROLLER://:9093" and "ports" not in services[name]
+        assert "--bootstrap-controller localhost:9093" in " ".join(services[name]["healthcheck"]["test"])
+        _same_as_the_local_cluster(name, env, cluster.controller_properties(tmp_path, index, layout))
+    host_ports = set()
+    for index, name in enumerate(KAFKA_NODES, 1):
+        env = services[name]["environment"]
+        assert services[name]["image"].startswith("apache/kafka:")
+        assert env["KAFKA_PROCESS_ROLES"] == "broker" and int(env["KAFKA_NODE_ID"]) == index
+        assert "CONTROLLER" not in env["KAFKA_LISTENERS"]
         assert f"PLAINTEXT://{name}:9092" in env["KAFKA_ADVERTISED_LISTENERS"]
         host_ports.add(env["KAFKA_ADVERTISED_LISTENERS"].rsplit(":", 1)[1])
         assert not any("zookeeper" in k.lower() or "zookeeper" in str(v) for k, v in env.items())
         assert str(env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]).lower() == "false"  # topics come from app/topics.py
-        for key, value in {**BROKER_CONFIG, **CLUSTER_CONFIG}.items():
-            if key in ("node.id", "listener.security.protocol.map"):  # per node; compose adds a host listener
-                continue
-            compose_key = "KAFKA_" + key.upper().replace(".", "_")
-            if compose_key in env:
-                assert str(env[compose_key]).lower() == value.lower(), f"{name}: {compose_key} differs from the local cluster"
+        assert set(services[name]["depends_on"]) == set(CONTROLLERS)  # a broker registers with the quorum
+        _same_as_the_local_cluster(name, env, cluster.broker_properties(tmp_path, index, layout))
         for key in ("offsets.topic.replication.factor", "transaction.state.log.replication.factor",
                     "transaction.state.log.min.isr", "default.replication.factor", "min.insync.replicas",
-                    "unclean.leader.election.enable"):  # fmt: skip
+                    "unclean.leader.election.enable", "broker.session.timeout.ms",
+                    "broker.heartbeat.interval.ms"):  # fmt: skip
             assert "KAFKA_" + key.upper().replace(".", "_") in env, f"{name}: {key} not stated"
-    assert len(host_ports) == 3  # tools on the host reach each node
+    assert len(host_ports) == 3  # tools on the host reach each broker
     assert set(services["topics"]["depends_on"]) == set(KAFKA_NODES)
     assert services["worker"]["environment"]["FRAUD_REPLICATION_FACTOR"] == "3"
 
@@ -262,7 +291,7 @@ def test_the_readme_says_the_topology_and_how_to_size_it() -> None:
     and points at the measured figures rather than copying them."""
     text = (DEPLOY / "README.md").read_text()
     topology = text.split("## Topology", 1)[1].split("\n## ", 1)[0]
-    for needle in ("3 KRaft nodes", "min.insync.replicas=2", "acks=all", "unclean.leader.election.enable=false",
+    for needle in ("3 KRaft controllers", "process.roles=controller", "3 brokers", "min.insync.replicas=2", "acks=all", "unclean.leader.election.enable=false",
                    "3 Sentinels", "redis+sentinel://"):  # fmt: skip
         assert needle in topology, needle
     sizing = text.split("## Sizing brokers and partitions for 5,000 TPS", 1)[1].split("\n## ", 1)[0]

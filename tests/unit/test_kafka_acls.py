@@ -161,6 +161,14 @@ def test_secure_properties(tmp_path: Path) -> None:
     assert props["authorizer.class.name"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
     assert props["super.users"] == "User:admin"
     assert props["allow.everyone.if.no.acl.found"] == "false"
+    broker = kafka_secure.secure_properties(tmp_path, 9093, None)  # the replicated stack's broker
+    assert broker["listeners"] == "SASL_SSL://127.0.0.1:9093" and broker["sasl.mechanism.controller.protocol"] == "PLAIN"
+    assert "user_admin=" in broker["listener.name.controller.plain.sasl.jaas.config"]
+    controller = kafka_secure.secure_properties(tmp_path, None, 9094)  # and its controller: no client listener, no TLS
+    assert controller["listeners"] == "CONTROLLER://127.0.0.1:9094"
+    assert controller["listener.security.protocol.map"] == "CONTROLLER:SASL_PLAINTEXT"
+    assert not any(key.startswith(("ssl.", "advertised.", "inter.broker.")) for key in controller)
+    assert controller["authorizer.class.name"] == props["authorizer.class.name"] and controller["super.users"] == "User:admin"
     args = kafka_secure.format_scram_args(tmp_path)
     assert args.count("--add-scram") == len(kafka_secure.USERS)
     assert "SCRAM-SHA-512=[name=scoring,password=pw-scoring]" in args

@@ -63,19 +63,41 @@ def test_the_async_client_keeps_the_pool_bound() -> None:
 
 def test_cluster_ports_and_node_config(tmp_path: Path) -> None:
     layout = cluster.Cluster.at(3, 29092, 29379)
-    assert layout.nodes == ((29092, 29093), (29094, 29095), (29096, 29097))
+    assert (layout.brokers, layout.controllers) == ((29092, 29094, 29096), (29093, 29095, 29097))
     assert layout.bootstrap == "127.0.0.1:29092,127.0.0.1:29094,127.0.0.1:29096"
     assert layout.redis_url == "redis+sentinel://127.0.0.1:29479,127.0.0.1:29480,127.0.0.1:29481/fraud/0"
-    config = cluster._write_node_config(tmp_path, 2, layout, secure=False)
+    voters = "101@127.0.0.1:29093,102@127.0.0.1:29095,103@127.0.0.1:29097"
+    config = cluster._write_config(tmp_path, "broker-2", layout, secure=False)
     props = dict(line.split("=", 1) for line in config.read_text().splitlines())
-    assert props["node.id"] == "2" and props["process.roles"] == "broker,controller"
-    assert props["controller.quorum.voters"] == "1@127.0.0.1:29093,2@127.0.0.1:29095,3@127.0.0.1:29097"
-    assert props["listeners"] == "PLAINTEXT://127.0.0.1:29094,CONTROLLER://127.0.0.1:29095"
+    assert props["node.id"] == "2" and props["process.roles"] == "broker"
+    assert props["controller.quorum.voters"] == voters
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:29094"  # no controller listener on a broker
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:29094"
     assert (props["min.insync.replicas"], props["default.replication.factor"]) == ("2", "3")
     assert (props["offsets.topic.replication.factor"], props["transaction.state.log.replication.factor"],
             props["transaction.state.log.min.isr"]) == ("3", "3", "2")  # fmt: skip
     assert props["unclean.leader.election.enable"] == "false"
-    assert props["log.dirs"] == str(tmp_path / "node-2" / "kafka-logs")
+    assert props["log.dirs"] == str(tmp_path / "broker-2" / "kafka-logs")
+    config = cluster._write_config(tmp_path, "controller-3", layout, secure=False)
+    props = dict(line.split("=", 1) for line in config.read_text().splitlines())
+    assert props["node.id"] == "103" and props["process.roles"] == "controller"
+    assert props["controller.quorum.voters"] == voters
+    assert props["listeners"] == "CONTROLLER://127.0.0.1:29097"
+    assert props["listener.security.protocol.map"] == "CONTROLLER:PLAINTEXT"
+    assert "advertised.listeners" not in props and "inter.broker.listener.name" not in props
+    # The settings a controller applies: the topics' defaults and the brokers' sessions.
+    for key in ("default.replication.factor", "unclean.leader.election.enable", "broker.session.timeout.ms"):
+        assert props[key] == cluster.CLUSTER_CONFIG[key], key
+    # The quorum's timeouts are Kafka's: no controller election comes inside a broker's loss.
+    assert not any(key.startswith("controller.quorum.") and key != "controller.quorum.voters" for key in props)
+    assert props["log.dirs"] == str(tmp_path / "controller-3" / "kafka-logs")
+
+
+def test_a_controller_runs_a_small_heap_and_a_broker_the_cluster_node_heap(tmp_path: Path) -> None:
+    controller = cluster._jvm(tmp_path, "controller-1")
+    assert "-Xmx128m" in controller and "-XX:TieredStopAtLevel=1" in controller
+    broker = cluster._jvm(tmp_path, "broker-1")
+    assert "-Xmx384m" in broker and "-XX:TieredStopAtLevel=1" not in broker
 
 
 def test_two_brokers_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,20 +108,22 @@ def test_two_brokers_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--brokers is 1 or at least 3" in capsys.readouterr().err
 
 
-def test_the_active_controller_is_the_node_that_last_logged_its_activation(tmp_path: Path) -> None:
-    """Node 1 was the controller, then node 3 took over; node 1 was restarted
-    since (its log starts afresh): node 3 is named, whatever the log order."""
+def test_the_active_controller_is_the_controller_that_last_logged_its_activation(tmp_path: Path) -> None:
+    """Controller 1 was active, then controller 3 took over; controller 1 was
+    restarted since (its log starts afresh): controller 3 is named, whatever the
+    log order. The brokers' logs are not read."""
     line = "[2026-12-04 20:{t},000] WARN [QuorumController id={n}] Performing controller activation. Loaded ZK migration state of NONE."
-    (tmp_path / "broker-1.log").write_text("[2026-12-04 20:53:40,000] INFO started\n")
-    (tmp_path / "broker-2.log").write_text(line.format(t="52:01", n=2) + "\n")
-    (tmp_path / "broker-3.log").write_text("noise\n" + line.format(t="53:34", n=3) + "\n")
+    (tmp_path / "controller-1.log").write_text("[2026-12-04 20:53:40,000] INFO started\n")
+    (tmp_path / "controller-2.log").write_text(line.format(t="52:01", n=102) + "\n")
+    (tmp_path / "controller-3.log").write_text("noise\n" + line.format(t="53:34", n=103) + "\n")
+    (tmp_path / "broker-1.log").write_text(line.format(t="59:59", n=1) + "\n")
     assert cluster.active_controller(tmp_path) == 3
-    (tmp_path / "broker-2.log").write_text(line.format(t="54:10", n=2) + "\n")
+    (tmp_path / "controller-2.log").write_text(line.format(t="54:10", n=102) + "\n")
     assert cluster.active_controller(tmp_path) == 2
 
 
 def test_a_cluster_on_free_ports_never_gives_one_port_twice() -> None:
     for _ in range(20):
         layout = cluster.Cluster.free()
-        ports = [p for node in layout.nodes for p in node] + [*layout.redis_nodes, *layout.sentinels]
+        ports = [*layout.brokers, *layout.controllers, *layout.redis_nodes, *layout.sentinels]
         assert len(ports) == 12 and len(set(ports)) == 12

@@ -18,8 +18,8 @@ KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
 formatted on first start; topic data survives a restart of the broker, and
 retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).
 
-``up --brokers 3`` runs the replicated stack instead: three KRaft nodes and a
-Redis primary with two replicas and three Sentinels (``tools/cluster.py``, its
+``up --brokers 3`` runs the replicated stack instead: three Kafka brokers, three
+dedicated KRaft controllers and a Redis primary with two replicas and three Sentinels (``tools/cluster.py``, its
 own state dir); ``status --brokers 3`` / ``down --brokers 3`` act on it.
 
 ``up --secure`` runs the broker with TLS, SASL/SCRAM-SHA-512 users per role and
