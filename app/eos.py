@@ -313,35 +313,8 @@ class ExactlyOnce:
         with ``batch``'s offsets to be committed by it; returns the transaction's
         number, or None when the batch was taken before a rebalance (its records
         come again, here or elsewhere, and nothing was produced)."""
-        # NOTE: the common case runs here, on the loop, without a hop to the
-        # client thread and back: begin_transaction is local to the producer,
-        # produce() only queues (librdkafka is thread-safe), and the client
-        # thread is idle meanwhile (the loop awaits every call it makes there,
-        # and rebalance callbacks run only inside its consume()). A hop costs
-        # the loop ~40-80 µs of CPU in wake-ups on this VM, per batch
-        # (docs/performance.md). A full queue or a transaction that cannot go
-        # on is the client thread's, as every blocking call is.
-        kafka = _kafka()
-        if batch.generation != self.generation:
-            return None
-        done = 0
-        try:
-            if self._txn is None:
-                self._producer.begin_transaction()
-                self._seq += 1
-                self._txn = _OpenTransaction(self._seq, self.generation, time.monotonic())
-            produce = self._producer.produce
-            for topic, key, value, headers in records:
-                produce(topic, value, key, headers=headers or None)
-                done += 1
-        except BufferError:
-            seq: int | None = await self._call(self._send, batch, records[done:])
-            return seq
-        except kafka.KafkaException as exc:
-            seq = await self._call(self._abandon, batch, exc)
-            return seq
-        self._txn.add(batch)
-        return self._txn.seq
+        seq: int | None = await self._call(self._send, batch, records)
+        return seq
 
     def _send(self, batch: TakenBatch, records: Sequence[Record]) -> int | None:
         kafka = _kafka()
@@ -362,19 +335,16 @@ class ExactlyOnce:
                     except BufferError:  # the local queue is full: let deliveries drain it
                         producer.poll(0.005)
         except kafka.KafkaException as exc:
-            return self._abandon(batch, exc)
+            # The transaction cannot go on: end it (aborted); this batch's
+            # records come back with the rest of it.
+            txn = self._txn or _OpenTransaction(self._seq + 1, self.generation, time.monotonic())
+            self._seq = txn.seq
+            txn.add(batch)
+            self._txn = None
+            self._settle(txn, self._recover(txn, exc.args[0] if exc.args else None))
+            return txn.seq
         self._txn.add(batch)
         return self._txn.seq
-
-    def _abandon(self, batch: TakenBatch, exc: Any) -> int:
-        """The transaction cannot go on: end it (aborted); this batch's records
-        come back with the rest of it."""
-        txn = self._txn or _OpenTransaction(self._seq + 1, self.generation, time.monotonic())
-        self._seq = txn.seq
-        txn.add(batch)
-        self._txn = None
-        self._settle(txn, self._recover(txn, exc.args[0] if exc.args else None))
-        return txn.seq
 
     def has_settled(self) -> bool:
         """Whether a transaction was settled outside :meth:`commit` (by a rebalance)."""
