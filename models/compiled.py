@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import xgboost as xgb
 
-__all__ = ["MAX_SCORE_DIFF", "CompiledTrees", "compile_in_background", "library_key", "load_or_compile"]
+__all__ = ["MAX_SCORE_DIFF", "CompiledTrees", "compile_in_background", "library_key", "library_path", "load_or_compile"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,10 @@ def library_key(booster: xgb.Booster) -> str:
     return digest.hexdigest()[:32]
 
 
+def library_path(booster: xgb.Booster, cache_dir: Path) -> Path:
+    return cache_dir / f"trees-{library_key(booster)}.so"
+
+
 def _own_directory(path: Path) -> None:
     """Create ``path`` for this user only, or refuse one others could write to."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -103,10 +107,11 @@ def _compile(booster: xgb.Booster, target: Path) -> None:
                 old.unlink()
 
 
-def _check(booster: xgb.Booster, compiled: CompiledTrees, n_features: int) -> float:
+def _check(booster: xgb.Booster, compiled: CompiledTrees) -> float:
     """The largest probability difference against XGBoost on a probe batch
     (random values over several scales, a tenth missing)."""
     rng = np.random.default_rng(7)
+    n_features = booster.num_features()
     probe = (rng.standard_normal((_PROBE_ROWS, n_features)) * rng.choice([1.0, 10.0, 1000.0], n_features)).astype(
         np.float32
     )
@@ -120,16 +125,13 @@ def _check(booster: xgb.Booster, compiled: CompiledTrees, n_features: int) -> fl
     return float(np.max(np.abs(sigmoid(reference) - sigmoid(ours))))
 
 
-def load_or_compile(booster: xgb.Booster, cache_dir: Path, *, compile_missing: bool = True) -> CompiledTrees | None:
+def load_or_compile(booster: xgb.Booster, cache_dir: Path) -> CompiledTrees | None:
     """The booster's compiled library from ``cache_dir``, compiled there first if
-    missing (``compile_missing``), checked against XGBoost; None (logged) when
-    that cannot be had."""
+    missing, checked against XGBoost; None (logged) when that cannot be had."""
     try:
         _own_directory(cache_dir)
-        target = cache_dir / f"trees-{library_key(booster)}.so"
+        target = library_path(booster, cache_dir)
         if not target.exists():
-            if not compile_missing:
-                return None
             started = time.monotonic()
             _compile(booster, target)
             log.info(
@@ -141,7 +143,7 @@ def load_or_compile(booster: xgb.Booster, cache_dir: Path, *, compile_missing: b
         else:
             os.utime(target)  # in use: not pruned (KEEP_UNUSED_S)
         compiled = CompiledTrees(target)
-        diff = _check(booster, compiled, booster.num_features())
+        diff = _check(booster, compiled)
     except Exception as exc:  # ImportError, no compiler, a refused directory: XGBoost serves
         log.warning("compiled trees unavailable (%s: %s); scoring with XGBoost", type(exc).__name__, exc)
         return None
@@ -155,10 +157,16 @@ def compile_in_background(
     booster: xgb.Booster, cache_dir: Path, use: Callable[[CompiledTrees], None]
 ) -> threading.Thread | None:
     """Hand ``use`` the compiled library: at once if the cache has it (returns
-    None), else from a daemon thread once compiled (returns that thread)."""
-    ready = load_or_compile(booster, cache_dir, compile_missing=False)
-    if ready is not None:
-        use(ready)
+    None), else from a daemon thread once compiled (returns that thread).
+    Either way the library is loaded and checked once, and a failure logged once."""
+    try:
+        cached = library_path(booster, cache_dir).exists()
+    except Exception:  # e.g. tl2cgen missing: the thread's load_or_compile logs why
+        cached = False
+    if cached:
+        ready = load_or_compile(booster, cache_dir)
+        if ready is not None:
+            use(ready)
         return None
 
     def build() -> None:

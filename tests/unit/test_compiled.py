@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import models.compiled as compiled_module
-from models.compiled import MAX_SCORE_DIFF, library_key, load_or_compile
+from models.compiled import MAX_SCORE_DIFF, library_path, load_or_compile
 from models.ensemble import XGBoostEnsemble
 from models.registry import load_ensemble
 from pipeline.features import FEATURE_NAMES
@@ -66,10 +66,21 @@ def test_the_compiled_trees_score_as_xgboost_within_1e_5(served: XGBoostEnsemble
         assert inline is not None and np.array_equal(inline, got)
 
 
-def test_reasons_are_the_xgboost_ones_for_the_rows_that_need_them(served: XGBoostEnsemble) -> None:
+def test_the_rows_explained_and_their_reasons_are_the_xgboost_ones(served: XGBoostEnsemble) -> None:
+    """Which rows get reasons follows the compiled scores; the reasons themselves
+    are XGBoost's contributions, so both must match an ensemble without them."""
     plain = XGBoostEnsemble(served.version, served.members, combination=served.combination)
-    for matrix in _batches(2):
-        ours, theirs = served.predict(matrix, explain_above=0.0), plain.predict(matrix, explain_above=0.0)
+    for matrix in _batches(2)[2:]:
+        reference = plain.predict(matrix, explain_above=None).scores
+        # Between two scores near the middle, well clear of both: a row exactly at
+        # the threshold may land on either side by the 1e-7 the two differ.
+        ordered = np.sort(reference)
+        middle = ordered[len(ordered) // 4 : 3 * len(ordered) // 4 + 1]
+        k = int(np.argmax(np.diff(middle)))
+        assert middle[k + 1] - middle[k] > 2 * MAX_SCORE_DIFF
+        threshold = float(middle[k] + middle[k + 1]) / 2
+        ours, theirs = served.predict(matrix, explain_above=threshold), plain.predict(matrix, explain_above=threshold)
+        assert 0 < sum(bool(r) for r in theirs.reasons) < len(matrix)
         assert [[n for n, _ in r] for r in ours.reasons] == [[n for n, _ in r] for r in theirs.reasons]
 
 
@@ -108,9 +119,9 @@ def test_a_library_built_from_other_trees_is_never_used(
     elsewhere = load_or_compile(other, tmp_path / "other")
     assert elsewhere is not None
     mine.mkdir(mode=0o700)
-    shutil.copy(elsewhere.path, mine / f"trees-{library_key(served.merged)}.so")
+    shutil.copy(elsewhere.path, library_path(served.merged, mine))
     with caplog.at_level(logging.WARNING, logger="models.compiled"):
-        assert load_or_compile(served.merged, mine, compile_missing=False) is None
+        assert load_or_compile(served.merged, mine) is None
     assert "XGBoost" in caplog.text
 
 
