@@ -130,3 +130,13 @@ def test_extend_verdict_fails_on_any_added_check() -> None:
     assert extend_verdict(base, labels_all_consumed=True, promotion_swapped=True)["pass"]
     failed = extend_verdict(base, labels_all_consumed=False)
     assert not failed["pass"] and failed["broker_rss_flat"] and not failed["labels_all_consumed"]
+
+
+def test_a_worker_that_grows_or_slows_fails_the_verdict() -> None:
+    steady = {"broker_cpu_ms_per_message": 1.0, "p99_ms": 50.0, "broker_rss_mb": 900.0,
+              "worker_cpu_ms_per_decision": 1.8, "worker_rss_mb": 500.0}  # fmt: skip
+    assert judge(steady, dict(steady, worker_rss_mb=560.0), lost=0)["pass"]  # +12 %
+    grown = judge(steady, dict(steady, worker_rss_mb=600.0), lost=0)  # +20 %
+    assert not grown["pass"] and not grown["worker_rss_flat"] and grown["broker_rss_flat"]
+    slower = judge(steady, dict(steady, worker_cpu_ms_per_decision=2.2), lost=0)
+    assert not slower["pass"] and not slower["worker_cpu_per_decision_stable"]
