@@ -419,7 +419,7 @@ class ExactlyOnce:
                 if err is not None and err.retriable() and attempt + 1 < COMMIT_RETRIES:
                     log.warning("commit of a transaction: %s; trying again", err)
                     continue  # librdkafka: a retriable commit error may be retried as is
-                return self._recover(txn, err)
+                return self._recover(txn, err, may_have_committed=True)
         raise AssertionError("unreachable")
 
     def _send_offsets(self, producer: Any, offsets: list[Any], group_metadata: Any) -> None:
@@ -436,14 +436,19 @@ class ExactlyOnce:
             self._offsets_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eos-offsets")
             raise
 
-    def _recover(self, txn: _OpenTransaction, err: Any) -> str:
+    def _recover(self, txn: _OpenTransaction, err: Any, *, may_have_committed: bool = False) -> str:
         """After a transaction that did not commit: abort it, or start a new
         producer (a new epoch aborts whatever the old one left open), then put
-        its partitions back at their committed offsets.
+        its partitions back where it began.
 
-        Committed offsets, not the first ones sent: a commit whose answer was
-        lost may have committed. They are read with ``require_stable``, so
-        after the abort they say exactly what became visible.
+        ``may_have_committed``: ``commit_transaction`` was called, and a commit
+        whose answer was lost may have committed, so the partitions go back to
+        the group's committed offsets, read with ``require_stable`` (after the
+        abort they say exactly what became visible). Otherwise nothing of the
+        transaction committed, and every batch taken since the last commit is
+        in it: each partition goes back to its first offset in it, without
+        asking the group coordinator, which may be the very broker just lost
+        (a hung ``send_offsets_to_transaction``).
         """
         kafka = _kafka()
         if err is not None:
@@ -458,7 +463,9 @@ class ExactlyOnce:
             log.warning("transactional producer replaced after: %s", exc)
             self._replace_producer()
         kept = [p for p in txn.first if p in self.assigned]
-        if kept and txn.generation == self.generation:
+        if kept and txn.generation == self.generation and not may_have_committed:
+            self._seek({p: txn.first[p] for p in kept})
+        elif kept and txn.generation == self.generation:
             try:
                 tps = [kafka.TopicPartition(self.topic, p) for p in kept]
                 committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}

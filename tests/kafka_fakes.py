@@ -100,6 +100,8 @@ class FakeKafka:
         self.offsets_hang: threading.Event | None = None
         self.commit_errors: list[KafkaError] = []
         self.committed_errors: list[KafkaError] = []
+        #: Reads of the group's committed offsets (a round trip to its coordinator).
+        self.committed_reads = 0
         self.producers: list[FakeProducer] = []
         self.consumers: list[FakeConsumer] = []
         #: Incremental rebalancing (cooperative-sticky, the worker's assignor):
@@ -258,6 +260,7 @@ class FakeConsumer:
         self.seeks.append((partition.partition, partition.offset))
 
     def committed(self, partitions: list[TopicPartition], timeout: float | None = None) -> list[TopicPartition]:
+        self.kafka.committed_reads += 1
         if self.kafka.committed_errors:
             raise KafkaException(self.kafka.committed_errors.pop(0))
         return [

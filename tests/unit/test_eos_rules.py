@@ -176,8 +176,9 @@ def test_an_abortable_commit_error_aborts_and_the_same_records_come_back() -> No
         # Nothing of the aborted transaction is visible; its offsets did not move.
         assert seen(kafka) == [b"p0-0", b"p0-1"]
         assert kafka.committed(GROUP, TOPIC) == {0: 2}
-        # Back to the committed offsets (partition 1 has none: to the first offset sent).
-        assert sorted(consumer_of(kafka, s).seeks) == [(0, 2), (1, 0)]
+        # Back to the committed offsets (partition 1 has none: to the first offset
+        # sent), read from the group: a commit whose answer is lost may have committed.
+        assert sorted(consumer_of(kafka, s).seeks) == [(0, 2), (1, 0)] and kafka.committed_reads == 1
         again = await take(s)
         assert taken(again) == taken(second)
         await s.send(again, echo(again))
@@ -200,6 +201,7 @@ def test_offsets_refused_by_the_group_abort_the_transaction() -> None:
         kafka.offsets_errors.append(error(KafkaError.COORDINATOR_NOT_AVAILABLE, abortable=True))
         assert await s.commit() == [(1, "aborted")]
         assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        assert kafka.committed_reads == 0  # commit_transaction never ran: nothing to ask
         again = await take(s)
         assert taken(again) == taken(batch)
 
@@ -215,15 +217,24 @@ def test_offsets_that_hang_past_their_timeout_abandon_the_transaction_for_a_new_
 
     async def body(s: ExactlyOnce) -> None:
         s.offsets_hung_s = 0.2
+        first = await take(s)
+        await s.send(first, echo(first))
+        kafka.offsets_hang = None
+        assert await s.commit() == [(1, "committed")]
+        fill(kafka, 0, 2)
         batch = await take(s)
         await s.send(batch, echo(batch))
-        assert await asyncio.wait_for(s.commit(), 5.0) == [(1, "aborted")]
-        assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        kafka.offsets_hang = hung
+        assert await asyncio.wait_for(s.commit(), 5.0) == [(2, "aborted")]
+        assert seen(kafka) == [b"p0-0", b"p0-1"] and kafka.committed(GROUP, TOPIC) == {0: 2}
+        # Nothing of it committed: back to where it began, without asking the
+        # group's coordinator (the broker just lost, in the case this is for).
+        assert consumer_of(kafka, s).seeks == [(0, 2)] and kafka.committed_reads == 0
         again = await take(s)
         assert taken(again) == taken(batch)
         kafka.offsets_hang = None
         await s.send(again, echo(again))
-        assert await s.commit() == [(2, "committed")]
+        assert await s.commit() == [(3, "committed")]
 
     hung = kafka.offsets_hang
     try:
@@ -231,8 +242,8 @@ def test_offsets_that_hang_past_their_timeout_abandon_the_transaction_for_a_new_
     finally:
         hung.set()  # the abandoned call returns (fenced) on its own thread
     assert len(kafka.producers) == 2  # replaced: a new epoch aborted the hung transaction
-    assert seen(kafka) == [b"p0-0", b"p0-1"]  # once
-    assert kafka.committed(GROUP, TOPIC) == {0: 2}
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3"]  # once each
+    assert kafka.committed(GROUP, TOPIC) == {0: 4}
 
 
 @pytest.mark.parametrize("how", ["fatal error", "id taken by a new producer"])
