@@ -463,16 +463,15 @@ class ExactlyOnce:
             log.warning("transactional producer replaced after: %s", exc)
             self._replace_producer()
         kept = [p for p in txn.first if p in self.assigned]
-        if kept and txn.generation == self.generation and not may_have_committed:
-            self._seek({p: txn.first[p] for p in kept})
-        elif kept and txn.generation == self.generation:
-            try:
-                tps = [kafka.TopicPartition(self.topic, p) for p in kept]
-                committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}
-            except kafka.KafkaException as exc:
-                log.warning("reading committed offsets failed (%s): going back to the first offsets sent", exc)
-                committed = {p: -1 for p in kept}
-            # No committed offset yet (negative): the transaction's first offset is where it starts.
+        if kept and txn.generation == self.generation:
+            committed = {p: -1 for p in kept}  # nothing committed: each goes back to its first offset
+            if may_have_committed:
+                try:
+                    tps = [kafka.TopicPartition(self.topic, p) for p in kept]
+                    committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}
+                except kafka.KafkaException as exc:
+                    log.warning("reading committed offsets failed (%s): going back to the first offsets sent", exc)
+            # No committed offset (negative): the transaction's first offset is where it starts.
             self._seek({p: o if o >= 0 else txn.first[p] for p, o in committed.items()})
         fenced = err is not None and err.code() in _fencing_codes()
         return "fenced" if fenced else "aborted"
