@@ -34,6 +34,7 @@ import faust
 
 from agents.feedback import install_feedback_loop
 from agents.metrics import WorkerMetrics
+from agents.pace import Pace
 from agents.reload import Reloader
 from agents.tally import install_merchant_tally
 from agents.watchdog import LoopWatchdog
@@ -258,7 +259,7 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
 
 class ScoringLoop:
     """Take a batch, score it, send its outcomes in the open transaction;
-    commit every ``FRAUD_COMMIT_INTERVAL_S``; then cache what committed."""
+    commit when the pace says (agents/pace.py); then cache what committed."""
 
     def __init__(
         self,
@@ -272,8 +273,11 @@ class ScoringLoop:
     ) -> None:
         self.stream, self.scorer, self.reloader, self.metrics = stream, scorer, reloader, metrics
         self.topics, self.sign = topics, sign
-        self.batch_size, self.window_s = settings.batch_size, settings.batch_window_s
-        self.interval_s = settings.commit_interval_s
+        self.batch_size = settings.batch_size
+        #: The batch window and commit interval: the busy regime's, or the quiet one's at low rates.
+        self.pace = Pace(
+            settings.batch_window_s, settings.commit_interval_s, settings.quiet_window_s, settings.quiet_below_tps
+        )
         #: Per open (or just settled) transaction, the batches sent in it.
         self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
         self._last_take = time.monotonic()
@@ -289,30 +293,33 @@ class ScoringLoop:
     async def step(self) -> None:
         """One batch (or none, after ``FRAUD_BATCH_WINDOW_S``), then a commit when one is due."""
         now = time.monotonic()
+        window_s, interval_s = self.pace.window, self.pace.interval
         # The window counts from the last take: what arrived while the last
         # batch was scored and committed has waited already, and is taken at
         # once; right after a take, the next waits out the rest of the window
         # for a batch to fill. NOTE: a full window from each take added its
         # 10 ms to every decision at every rate (docs/performance.md).
-        wait = max(0.0, self.window_s - (now - self._last_take))
+        wait = max(0.0, window_s - (now - self._last_take))
         # Nothing came in the window: wait for the first record (not for a
         # batch), as long as no commit is due: an idle worker sleeps instead
         # of waking every window, and takes a record the moment it arrives.
         idle = IDLE_WAIT_S
         opened = self.stream.open_since
         if opened is not None:
-            due = max(0.0, opened + self.interval_s - now)
+            due = max(0.0, opened + interval_s - now)
             wait = min(wait, due)
             idle = due - wait
         batch = await self.stream.take(self.batch_size, wait, idle)
         self._last_take = taken = time.monotonic()
+        self.pace.taken(len(batch.messages), taken, full=len(batch.messages) >= self.batch_size)
+        self.metrics.quiet.set(self.pace.quiet)
         self._phase["take"].observe(taken - now)
         if batch.messages:
             await self.handle(batch)
         opened = self.stream.open_since
         now = time.monotonic()
         # Due, or a rebalance settled one inside take(): its outcome is reported here.
-        if (opened is not None and now - opened >= self.interval_s) or self.stream.has_settled():
+        if (opened is not None and now - opened >= self.pace.interval) or self.stream.has_settled():
             self.settle(await self.stream.commit())
             self._phase["commit"].observe(time.monotonic() - now)
 

@@ -264,6 +264,19 @@ class Settings(BaseSettings):
     interval instead of once per batch (docs/performance.md). 0: every batch
     commits on its own."""
 
+    quiet_below_tps: float = 1500.0
+    """Under this many records a second (per worker, counted each second;
+    entered under 80 % of it), a batch waits for ~25 records (up to
+    ``quiet_window_s``) and commits on its own at once, instead of the busy
+    regime's ``batch_window_s`` batches sharing a ``commit_interval_s``
+    transaction: a batch's and a transaction's fixed costs are paid once per
+    several decisions, not once per decision or two (agents/pace.py,
+    docs/performance.md). 0: always busy."""
+
+    quiet_window_s: float = 0.05
+    """The longest a record waits for its quiet batch to fill (the wait is
+    ~25 records' worth: 25 ms at 1,000 records a second, this under 500)."""
+
     loop_stall_exit_s: float = 120.0
     """A scoring loop that has not finished a step in this long is stuck where
     no timeout reaches (every step's waits are bounded far below it): the

@@ -48,6 +48,11 @@ KNOBS: dict[str, dict[str, str]] = {
     "window_25ms": {"FRAUD_BATCH_WINDOW_S": "0.025"},
     # One batch per transaction: the window as long as the commit interval was.
     "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
+    # The busy regime at every rate (agents/pace.py): no quiet one under FRAUD_QUIET_BELOW_TPS.
+    "busy_only": {"FRAUD_QUIET_BELOW_TPS": "0"},
+    # Longer windows and transactions together: what amortizing alone buys at low rates.
+    "window_50ms_commit_50ms": {"FRAUD_BATCH_WINDOW_S": "0.05", "FRAUD_COMMIT_INTERVAL_S": "0.05"},
+    "window_50ms_commit_100ms": {"FRAUD_BATCH_WINDOW_S": "0.05", "FRAUD_COMMIT_INTERVAL_S": "0.1"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     # Scores from XGBoost instead of the compiled trees (models/compiled.py).

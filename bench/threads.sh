@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin; DATA=data/transactions.parquet
+# py-spy names the threads; a tool for this script, not a dependency of the project.
+test -x $BIN/py-spy || $BIN/python -m pip install -q py-spy
 $BIN/python -m tools.stack up >/dev/null
 source .stack/env
 # Topics of its own, as bench/profile.sh: the local stack keeps earlier runs'
@@ -24,8 +26,8 @@ $BIN/fraud-pipeline loadgen --rate ${RATE:-150} --duration 20 --data $DATA --eve
 L=$!
 sleep 5; snap > .stack/thr-s1; sleep 10; snap > .stack/thr-s2
 wait $L
-join .stack/thr-s1 .stack/thr-s2 | awk '{printf "%-10s %6.1f%%\n", $1, ($3-$2)}' | sort -k2 -nr | head -8
-$BIN/py-spy dump --pid $W 2>/dev/null | grep -E "^Thread" 
+join .stack/thr-s1 .stack/thr-s2 | awk '{printf "%-10s %6.1f%% of a core\n", $1, ($3-$2)/10}' | sort -k2 -nr | head -8
+$BIN/py-spy dump --pid $W 2>/dev/null | grep -E "^Thread" || true
 tail -1 .stack/thr-load.txt
 kill -TERM $W; sleep 3; kill -KILL $W 2>/dev/null || true
 $BIN/python -m tools.stack down >/dev/null

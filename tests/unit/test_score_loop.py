@@ -108,7 +108,9 @@ class Worker:
         serving: str = "v1", interval_s: float = NEVER, shared: SharedCache | None = None, window_s: float = 0.0,
     ) -> None:  # fmt: skip
         self.kafka = kafka
-        settings = Settings(batch_size=32, batch_window_s=window_s, commit_interval_s=interval_s)
+        # The busy regime throughout: the quiet one is switched into by the rate a
+        # worker measures over seconds (tests/unit/test_pace.py; set directly below).
+        settings = Settings(batch_size=32, batch_window_s=window_s, commit_interval_s=interval_s, quiet_below_tps=0)
         self.stream = ExactlyOnce(
             topic=TOPIC, group_id=GROUP, transactional_id=f"{GROUP}-{TOPIC}-{name}", client_config={},
             consumer_factory=kafka.consumer, producer_factory=kafka.producer,
@@ -520,6 +522,40 @@ def test_a_transaction_commits_once_the_commit_interval_has_passed(tmp_path: Pat
         await worker.stop()
 
     asyncio.run(go())
+    assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2"]
+
+
+def test_in_the_quiet_regime_each_batch_waits_the_quiet_window_and_commits_at_once(
+    tmp_path: Path, models: Any
+) -> None:
+    """Light traffic: a batch's decisions become visible as soon as it is scored,
+    not at the end of a transaction it shares (the busy interval here never ends)."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models, window_s=0.0)
+    worker.loop.pace.quiet, worker.loop.pace.quiet_window_s = True, 0.3
+    waits: list[float] = []
+    take = worker.stream.take
+
+    async def recording_take(max_records: int, within_s: float, idle_s: float = 0.0) -> Any:
+        waits.append(within_s)
+        return await take(max_records, within_s, idle_s)
+
+    worker.stream.take = recording_take  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await worker.start()
+        write_new(kafka, 0, 2)
+        await worker.step()
+        assert len(kafka.events("commit")) == 1  # committed with its batch
+        assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]
+        write_new(kafka, 0, 1)
+        await worker.step()
+        assert len(kafka.events("commit")) == 2
+        await worker.stop()
+
+    asyncio.run(go())
+    assert waits[-1] > 0.2  # the quiet window, counted from the last take
+    assert worker.metrics.registry.get_sample_value("fraud_loop_quiet") == 1.0
     assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2"]
 
 
