@@ -9,7 +9,7 @@ Two regimes, chosen by the rate this worker takes records at:
   transactions more frequent.
 - **quiet** (under ``FRAUD_QUIET_BELOW_TPS``, 1,500 records a second): a
   batch waits for ~25 records (:data:`QUIET_BATCH`), at least the busy window
-  and at most ``FRAUD_QUIET_WINDOW_S`` (50 ms), and commits on its own, at once.
+  and at most ``FRAUD_QUIET_WINDOW_S`` (100 ms), and commits on its own, at once.
 
 Why: a batch and a transaction each cost the worker a fixed amount of CPU
 whatever they hold (a Redis round trip, thread hand-offs, the model call,
@@ -17,8 +17,10 @@ the transaction's requests: ~1 ms of librdkafka's CPU per commit on this
 machine). At 100 TPS the busy regime's batches hold one record each, so
 those fixed costs are paid per decision; at 1,000 about ten. Waiting a little
 longer for a fuller batch and committing it right away pays them once per
-~5 decisions at 100 TPS and ~25 at 1,000, and costs little latency: a record
-waits for its batch, not also for the transaction it joins
+~10 decisions at 100 TPS and ~25 at 1,000. The price is latency where there
+is room for it: at 100 TPS p99 ~120 ms instead of ~70 (the goal is 200); at
+1,000 none, as a record waits for its batch, not also for the transaction it
+joins
 (docs/performance.md, ``knobs-quiet-*.json``). At higher rates the busy
 regime's shape is kept: one transaction per batch is bounded by the commit's
 round trips (a batch of at most ``FRAUD_BATCH_SIZE`` per commit), and at
@@ -46,7 +48,7 @@ RATE_PERIOD_S = 1.0
 QUIET_HYSTERESIS = 0.8
 #: The records a quiet batch waits for (at most ``quiet_window_s``): by ~25 a
 #: batch's fixed costs are a small share of its decisions' CPU, and the wait
-#: for them shrinks as the rate grows (25 ms at 1,000 TPS, 50 ms at 500 and under).
+#: for them shrinks as the rate grows (25 ms at 1,000 TPS, 50 at 500, 100 at 250 and under).
 QUIET_BATCH = 25
 
 
