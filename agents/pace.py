@@ -7,7 +7,7 @@ Two regimes, chosen by the rate this worker takes records at:
   batches of ``FRAUD_COMMIT_INTERVAL_S`` (25 ms). The number of transactions a
   second is bounded whatever the rate: more load makes batches fuller, never
   transactions more frequent.
-- **quiet** (under ``FRAUD_QUIET_BELOW_TPS``, 1,500 records a second): a
+- **quiet** (under ``FRAUD_QUIET_BELOW_TPS``, 1,200 records a second): a
   batch waits for ~25 records (:data:`QUIET_BATCH`), at least the busy window
   and at most ``FRAUD_QUIET_WINDOW_S`` (100 ms), and commits on its own, at once.
 

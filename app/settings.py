@@ -264,7 +264,7 @@ class Settings(BaseSettings):
     interval instead of once per batch (docs/performance.md). 0: every batch
     commits on its own."""
 
-    quiet_below_tps: float = 1500.0
+    quiet_below_tps: float = 1200.0
     """Under this many records a second (per worker, counted each second;
     entered under 80 % of it), a batch waits for ~25 records (up to
     ``quiet_window_s``) and commits on its own at once, instead of the busy
