@@ -20,8 +20,7 @@ longer for a fuller batch and committing it right away pays them once per
 ~10 decisions at 100 TPS and ~25 at 1,000. The price is latency where there
 is room for it: at 100 TPS p99 ~120 ms instead of ~70 (the goal is 200); at
 1,000 none, as a record waits for its batch, not also for the transaction it
-joins
-(docs/performance.md, ``knobs-quiet-*.json``). At higher rates the busy
+joins (docs/performance.md, ``knobs-quiet-*.json``). At higher rates the busy
 regime's shape is kept: one transaction per batch is bounded by the commit's
 round trips (a batch of at most ``FRAUD_BATCH_SIZE`` per commit), and at
 2,000 TPS with 25 ms windows it fell behind.

@@ -291,7 +291,7 @@ class ScoringLoop:
             self.on_step()
 
     async def step(self) -> None:
-        """One batch (or none, after ``FRAUD_BATCH_WINDOW_S``), then a commit when one is due."""
+        """One batch (or none, after the pace's window), then a commit when one is due."""
         now = time.monotonic()
         window_s, interval_s = self.pace.window, self.pace.interval
         # The window counts from the last take: what arrived while the last

@@ -50,10 +50,7 @@ KNOBS: dict[str, dict[str, str]] = {
     "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
     # The busy regime at every rate (agents/pace.py): no quiet one under FRAUD_QUIET_BELOW_TPS.
     "busy_only": {"FRAUD_QUIET_BELOW_TPS": "0"},
-    "quiet_window_100ms": {"FRAUD_QUIET_WINDOW_S": "0.1"},
-    # Longer windows and transactions together: what amortizing alone buys at low rates.
-    "window_50ms_commit_50ms": {"FRAUD_BATCH_WINDOW_S": "0.05", "FRAUD_COMMIT_INTERVAL_S": "0.05"},
-    "window_50ms_commit_100ms": {"FRAUD_BATCH_WINDOW_S": "0.05", "FRAUD_COMMIT_INTERVAL_S": "0.1"},
+    "quiet_window_50ms": {"FRAUD_QUIET_WINDOW_S": "0.05"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     # Scores from XGBoost instead of the compiled trees (models/compiled.py).

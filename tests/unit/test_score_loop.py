@@ -149,6 +149,18 @@ class Worker:
         await self.stream.close()
         await asyncio.sleep(0.01)
 
+    def record_take_waits(self) -> list[float]:
+        """How long each later take may wait for its batch (``within_s``), in order."""
+        waits: list[float] = []
+        take = self.stream.take
+
+        async def recording_take(max_records: int, within_s: float, idle_s: float = 0.0) -> Any:
+            waits.append(within_s)
+            return await take(max_records, within_s, idle_s)
+
+        self.stream.take = recording_take  # type: ignore[method-assign]
+        return waits
+
     @property
     def consumer(self) -> FakeConsumer:
         consumer: FakeConsumer = self.stream._consumer
@@ -533,14 +545,7 @@ def test_in_the_quiet_regime_each_batch_waits_the_quiet_window_and_commits_at_on
     kafka = new_kafka()
     worker = Worker(kafka, tmp_path, models, window_s=0.0)
     worker.loop.pace.quiet, worker.loop.pace.quiet_window_s = True, 0.3
-    waits: list[float] = []
-    take = worker.stream.take
-
-    async def recording_take(max_records: int, within_s: float, idle_s: float = 0.0) -> Any:
-        waits.append(within_s)
-        return await take(max_records, within_s, idle_s)
-
-    worker.stream.take = recording_take  # type: ignore[method-assign]
+    waits = worker.record_take_waits()
 
     async def go() -> None:
         await worker.start()
@@ -566,14 +571,7 @@ def test_records_that_queued_while_a_batch_was_scored_are_taken_without_another_
     counted from the last take: a worker that was busy takes what queued at once."""
     kafka = new_kafka()
     worker = Worker(kafka, tmp_path, models, window_s=0.5)
-    waits: list[float] = []
-    take = worker.stream.take
-
-    async def recording_take(max_records: int, within_s: float, idle_s: float = 0.0) -> Any:
-        waits.append(within_s)
-        return await take(max_records, within_s, idle_s)
-
-    worker.stream.take = recording_take  # type: ignore[method-assign]
+    waits = worker.record_take_waits()
 
     async def go() -> None:
         await worker.start()
