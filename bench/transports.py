@@ -456,12 +456,12 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         settings = Settings(kafka_bootstrap=svc.bootstrap, partitions=4,
                             **{k[len("FRAUD_"):].lower(): v for k, v in topics.items()})  # fmt: skip
         asyncio.run(ensure_topics(settings, wait_s=30.0))
-        port, grpc_port = _free_port(), _free_port()
+        port, grpc_port, backend_web = _free_ports(3)
         if args.backend == "echo":
             backend_argv = [sys.executable, "-m", "bench.transports", "echo", "--bootstrap", svc.bootstrap,
                             "--transactions", settings.topic_transactions, "--decisions", settings.topic_decisions]
         else:
-            backend_argv = [*_cli(), "worker", "--web-port", str(_free_port()), "--loglevel", "warning"]
+            backend_argv = [*_cli(), "worker", "--web-port", str(backend_web), "--loglevel", "warning"]
         with (
             started("backend", backend_argv, env, workdir) as backend,
             started("gateway", [*_cli(), "gateway", "--port", str(port), "--grpc-port", str(grpc_port)], env,
@@ -485,10 +485,10 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    from tools.stack import free_port
+def _free_ports(n: int) -> list[int]:
+    from tools.stack import free_ports
 
-    return free_port()
+    return free_ports(n)
 
 
 def main(argv: list[str] | None = None) -> int:

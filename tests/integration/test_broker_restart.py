@@ -70,7 +70,7 @@ def test_the_only_broker_killed_and_restarted_under_load(
         materialize(sim_frame, client, progress=False)
     finally:
         client.close()
-    port, controller = stack.free_port(), stack.free_port()
+    port, controller = stack.free_ports(2)
     broker = stack.start_broker(port, tmp_path / "broker", controller_port=controller)
     bootstrap = broker.url
     topics = Topics.unique("brk")

@@ -164,14 +164,14 @@ def test_broker_restart_keeps_topics_and_committed_transactions(tmp_path: Path) 
         finally:
             await consumer.stop()
 
-    port = stack.free_port()
-    first = stack.start_broker(port, tmp_path, controller_port=stack.free_port())
+    port, controller = stack.free_ports(2)
+    first = stack.start_broker(port, tmp_path, controller_port=controller)
     try:
         asyncio.run(produce(first.url))
     finally:
         first.stop()
     assert not stack.pid_alive(first.pid)
-    again = stack.start_broker(port, tmp_path, controller_port=stack.free_port())
+    again = stack.start_broker(port, tmp_path, controller_port=controller)
     try:
         assert asyncio.run(read(again.url)) == [b"committed"]
     finally:

@@ -40,6 +40,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import random
 import secrets
 import shlex
 import shutil
@@ -329,23 +330,73 @@ def _ready_or_stopped(handle: ServiceHandle, wait: _Wait) -> ServiceHandle:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, its next port free too."""
     return free_ports(1)[0]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` different ports that nothing listens on now: each probe is held
-    until all are chosen. NOTE: ``free_port()`` called twice can return one port
-    twice (the first is free again once its probe closes). Seen once: a test's
-    gateway failed to bind its gRPC port while its other gateway answered there,
-    health checks included, and its calls timed out on the other's topics."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+#: Where the kernel's ephemeral range starts when /proc does not say (Linux's default).
+_EPHEMERAL_LOW = 32768
+#: How far below the ephemeral range ports are drawn from.
+_PORT_SPAN = 12000
+
+
+def _ephemeral_low() -> int:
     try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW
+
+
+def _probe(port: int) -> socket.socket | None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different ports that nothing listens on now, each with its next port
+    free too: a broker's KRaft controller listens on the port after the broker's
+    (``stack_up``), so any of them can be a broker's.
+
+    Every probe is held until all are chosen. NOTE: ``free_port()`` called twice
+    can return one port twice (the first is free again once its probe closes);
+    ask for all the ports a test needs in one call. Seen once: a test's gateway
+    failed to bind its gRPC port while its other gateway answered there.
+
+    The ports are drawn at random from below the kernel's ephemeral range, not
+    by binding port 0: an ephemeral port is also what every outgoing connection
+    takes, so between the probe and the server's bind, one of the many client
+    connections a parallel test run opens could take it. Seen once, on the port
+    after a broker's, which was not probed then: its controller failed to bind.
+    """
+    high = _ephemeral_low() - 2  # a port and its next one, both below the range
+    low = max(1024, high - _PORT_SPAN)
+    rng = random.Random()  # seeded from the OS: parallel test workers draw differently
+    held: list[socket.socket] = []
+    chosen: list[int] = []
+    try:
+        for _ in range(100 * n + 100):
+            if len(chosen) == n:
+                return chosen
+            if high - low >= 1000:
+                port = rng.randint(low, high)
+            else:  # a machine whose ephemeral range starts low: let the kernel pick
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = int(sock.getsockname()[1])
+            pair = [_probe(port), _probe(port + 1)]
+            held.extend(sock for sock in pair if sock is not None)
+            if None not in pair:
+                chosen.append(port)
+        if len(chosen) == n:
+            return chosen
+        raise StackError(f"found {len(chosen)} of {n} free ports on 127.0.0.1 between {low} and {high + 1}")
     finally:
-        for sock in socks:
+        for sock in held:
             sock.close()
 
 
@@ -512,8 +563,8 @@ def start_broker(
 ) -> ServiceHandle:
     """Start Apache Kafka on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
 
-    One JVM, broker and KRaft controller (on ``controller_port``, a free one if
-    None). ``workdir/kafka-logs`` is formatted on first use and kept: a restart
+    One JVM, broker and KRaft controller (on ``controller_port``, the port after
+    the broker's if None, as ``stack_up`` places it). ``workdir/kafka-logs`` is formatted on first use and kept: a restart
     finds its topics, offsets and transactions again. Logs to ``workdir/broker.log``.
     The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
 
@@ -525,7 +576,7 @@ def start_broker(
     (``stack up --secure``).
     """
     port = port or free_port()
-    controller_port = controller_port or free_port()
+    controller_port = controller_port or port + 1  # as stack_up places it; free_port() keeps it free
     _ensure_port_free(port, "broker")
     _ensure_port_free(controller_port, "broker controller")
     workdir = workdir.resolve()
