@@ -48,6 +48,10 @@ KNOBS: dict[str, dict[str, str]] = {
     "window_25ms": {"FRAUD_BATCH_WINDOW_S": "0.025"},
     # One batch per transaction: the window as long as the commit interval was.
     "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
+    "batch_256_window_20ms": {"FRAUD_BATCH_SIZE": "256", "FRAUD_BATCH_WINDOW_S": "0.02"},
+    "batch_1024_window_20ms": {"FRAUD_BATCH_SIZE": "1024", "FRAUD_BATCH_WINDOW_S": "0.02"},
+    "batch_256_window_20ms_busy_only": {"FRAUD_BATCH_SIZE": "256", "FRAUD_BATCH_WINDOW_S": "0.02",
+                                        "FRAUD_QUIET_BELOW_TPS": "0"},
     # The busy regime at every rate (agents/pace.py): no quiet one under FRAUD_QUIET_BELOW_TPS.
     "busy_only": {"FRAUD_QUIET_BELOW_TPS": "0"},
     "quiet_window_50ms": {"FRAUD_QUIET_WINDOW_S": "0.05"},
@@ -74,12 +78,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=150.0)
     parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the measured ones")
     parser.add_argument("--knobs", nargs="+", default=list(KNOBS))
     parser.add_argument("--out", type=Path, default=Path("bench/results/knobs.json"))
     parser.add_argument("--label", help="tag the rows (e.g. the code version in an A/B)")
     parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     args = parser.parse_args()
-    phase = Phase(warmup_s=3.0, measure_s=args.seconds, drain_s=15.0)
+    phase = Phase(warmup_s=args.warmup, measure_s=args.seconds, drain_s=15.0)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-knobs-") as tmp, services(Path(tmp)) as svc:
         prepare(svc)
@@ -89,7 +94,9 @@ def main() -> None:
             os.environ.update(KNOBS[name])
             variant = BATCHED
             if "FRAUD_BATCH_WINDOW_S" in KNOBS[name]:  # the variant's own would win
-                variant = replace(BATCHED, batch_window_s=float(KNOBS[name]["FRAUD_BATCH_WINDOW_S"]))
+                variant = replace(variant, batch_window_s=float(KNOBS[name]["FRAUD_BATCH_WINDOW_S"]))
+            if "FRAUD_BATCH_SIZE" in KNOBS[name]:
+                variant = replace(variant, batch_size=int(KNOBS[name]["FRAUD_BATCH_SIZE"]))
             worker = Worker(variant, svc, Path(tmp))
             extra: list[Worker] = []
             try:
@@ -113,7 +120,9 @@ def main() -> None:
             cpu_ms_per_tx = (run["cpu_pct"] * 10.0 / run["achieved_tps"]) if run.get("cpu_pct") and run.get("achieved_tps") else None
             row = {**({"label": args.label} if args.label else {}), "knob": name, **KNOBS[name], "workers": WORKERS.get(name, 1), "offered_tps": args.rate, "achieved_tps": run["achieved_tps"],
                    "cpu_pct": run["cpu_pct"], "cpu_ms_per_tx": round(cpu_ms_per_tx, 3) if cpu_ms_per_tx else None,
-                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "data": _relative(POPULATION),
+                   "p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "lost": run["lost"], "degraded": run.get("degraded"), "degraded_why": run.get("degraded_why"),
+                   # records sent and not yet decided, at its highest: a backlog the window may not show
+                   "lag_max": max((n for _, n in run.get("lag", [])), default=None), "warmup_s": args.warmup, "data": _relative(POPULATION),
                    # the rest of the machine: a setting can move cost to the broker
                    "broker_cpu_pct": run.get("other_cpu_pct", {}).get("broker"),
                    "loadgen_cpu_pct": run.get("other_cpu_pct", {}).get("loadgen")}  # fmt: skip

@@ -219,7 +219,11 @@ FULL_PLAN = Plan(
     # (bench-20261202T230320.json): here small batches still saturate, and the
     # cells that keep up show what size and window cost in latency.
     sweep_rate=1500.0,
-    sweep_phase=Phase(warmup_s=1.0, measure_s=4.0, drain_s=3.0),
+    # NOTE: 4 s of warm-up, as above: with 1 s, a fresh worker's first seconds
+    # at 1,500 TPS (commits slow, a backlog of up to 1,431 records worked off
+    # within ~2.5 s) fell in the window of most cells: the defaults' p99 356
+    # and 427 ms with 1 s against 83 and 82 ms with 4 s (knobs-start-1500*.json).
+    sweep_phase=Phase(warmup_s=4.0, measure_s=4.0, drain_s=3.0),
     deadline_s=780.0,
 )
 QUICK_PLAN = Plan(
@@ -310,6 +314,7 @@ def run_record(
         "decided": summary["decided"],
         "lost": summary["lost"],
         "degraded": summary["degraded"],
+        "degraded_why": summary.get("degraded_why", {}),
         "cached": summary["cached"],
         "cpu_pct": cpu_pct_between(timeline, "cpu_s"),
         "rss_mb": round(max(rss), 1) if rss else None,

@@ -47,6 +47,8 @@ __all__ = ["LoadConfig", "percentiles", "run_load"]
 TICK_S = 0.001
 #: How long the generator's producer holds sends to batch them in one request.
 LINGER_MS = 5
+#: An explanation's word for a decision made without a model score (pipeline/scorer.py).
+DEGRADED = "degraded: "
 
 
 def _kafka() -> Any:
@@ -202,6 +204,8 @@ class _LoadRun:
         self.window: list[float] = []
         self.actions: Counter[str] = Counter()
         self.flags: Counter[str] = Counter()
+        #: Why decisions were degraded, as their explanations say ("degraded: <why>").
+        self.degraded_why: Counter[str] = Counter()
         self.timeline: list[dict[str, Any]] = []
         self.marks: dict[str, float] = {}  # monotonic time of each timeline event
         self.received: list[float] = []  # monotonic arrival time of every matched decision
@@ -410,7 +414,11 @@ class _LoadRun:
         # A pass-through worker (bench) forwards transactions: no action.
         self.actions[doc.get("action", "none")] += 1
         self.flags["cached"] += bool(doc.get("cached"))
-        self.flags["degraded"] += bool(doc.get("degraded"))
+        if doc.get("degraded"):
+            self.flags["degraded"] += 1
+            words = doc.get("explanation") or ()
+            why = next((w[len(DEGRADED) :] for w in words if isinstance(w, str) and w.startswith(DEGRADED)), "?")
+            self.degraded_why[why] += 1
 
     async def report(self) -> None:
         """A timeline entry, and unless quiet a progress line, every ``report_every_s``."""
@@ -460,6 +468,7 @@ class _LoadRun:
             "actions": dict(self.actions),
             "cached": self.flags["cached"],
             "degraded": self.flags["degraded"],
+            "degraded_why": dict(self.degraded_why),
             "timeline": self.timeline,
         }
         if cfg.record_decisions:
