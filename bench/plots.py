@@ -245,11 +245,46 @@ def knobs_plot(doc: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+def scorer_redis_plot(doc: Mapping[str, Any], path: Path) -> Path:
+    """Per ``bench.scorer`` batch size: the scorer's CPU and Redis's, per transaction,
+    Redis's split into its script, the commands counted apart, and the rest."""
+    rows = [r for r in doc["rows"] if r.get("redis_cpu_us_per_tx") is not None]
+    labels = [f"{r['batch']} ({r['lookup']})" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.2
+    scorer = [r["cpu_ms_per_tx"] * 1000 for r in rows]
+    redis_all = [r["redis_cpu_us_per_tx"] for r in rows]
+    script = [r["redis_command_us_per_tx"].get("evalsha", 0.0) for r in rows]
+    commands = [sum(v for k, v in r["redis_command_us_per_tx"].items() if k not in ("evalsha", "script|load"))
+                for r in rows]  # fmt: skip
+    for i, (values, name) in enumerate(((scorer, "scorer process CPU"), (redis_all, "Redis CPU"),
+                                        (script, "Redis: the batch script (commands in it included)"),
+                                        (commands, "Redis: every command counted apart"))):  # fmt: skip
+        ax.bar(x + (i - 1.5) * width, values, width, label=name)
+        for xi, v in zip(x, values):
+            ax.annotate(f"{v:.0f}", (xi + (i - 1.5) * width, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("records per batch (lookup)")
+    ax.set_ylabel("µs per transaction")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    m = doc.get("machine", "")
+    where = f"{m.get('cores')} cores, {m.get('cpu_model')}" if isinstance(m, dict) else m
+    fig.suptitle(f"bench.scorer — the scoring stage and its Redis, {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench/results/latest.json")
     document = json.loads(source.read_text())
-    if "rows" in document:  # a bench.knobs document
+    if "rows" in document and "knob" in document["rows"][0]:  # a bench.knobs document
         print(knobs_plot(document, source.with_suffix(".png")))
+    elif "rows" in document:  # a bench.scorer document
+        print(scorer_redis_plot(document, source.with_suffix(".png")))
     else:
         for png in plot_all(document, source.parent):
             print(png)

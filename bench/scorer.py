@@ -1,6 +1,7 @@
 """The scoring stage alone: ``Scorer.score_batch`` against a real Redis and the
 registered model, no Kafka. Prints wall time per batch and CPU per transaction,
-per stage, for batch sizes 1 / 8 / 32 (``python -m bench.scorer``).
+per stage, for batch sizes 1 / 8 / 32 (``python -m bench.scorer``), and what
+Redis spent per transaction: its CPU, and each command's time (INFO commandstats).
 
 Built as the worker builds it (agents/score.py): signed messages, admission
 with the replay guard and the settings' rate limits, the local-first decision
@@ -98,6 +99,8 @@ async def run(
         cpus: defaultdict[str, list[float]] = defaultdict(list)
         stages: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         counts: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        await client.config_resetstat()
+        redis_cpu0 = await _redis_cpu_s(client)
         for i in range(batches + 3):
             for name, scorer in scorers.items():
                 batch = [_signed(orjson.dumps(source.next(time.time()))) for _ in range(size)]
@@ -114,6 +117,11 @@ async def run(
                 for _, value in out.decisions[:1]:
                     for stage, ms in (orjson.loads(value).get("latency_ms") or {}).items():
                         stages[name][stage].append(ms)
+        # Redis's own CPU (warm-up batches and cache writes included, as a worker
+        # pays them): only one lookup's when one ran, else the mix of them.
+        sent = size * (batches + 3) * len(scorers)
+        redis_us = (await _redis_cpu_s(client) - redis_cpu0) * 1e6 / sent
+        commands = {k.removeprefix("cmdstat_"): v["usec"] / sent for k, v in (await client.info("commandstats")).items()}
         for name in scorers:
             row = {
                 "batch": size,
@@ -125,11 +133,21 @@ async def run(
                 "cpu_ms_per_tx": round(statistics.median(cpus[name]) / size, 3),
                 "stage_ms_p50": {k: round(statistics.median(v), 2) for k, v in stages[name].items()},
                 "counts": dict(counts[name]),
+                # What Redis spent per transaction: in all, and in each command
+                # (inside the script's, whose own figure counts the script whole).
+                "redis_cpu_us_per_tx": round(redis_us, 1),
+                "redis_command_us_per_tx": {k: round(v, 1) for k, v in sorted(commands.items(), key=lambda kv: -kv[1])
+                                            if v >= 0.05 and not k.startswith(("config", "info"))},  # fmt: skip
             }
             results.append(row)
             print(json.dumps(row), flush=True)
     await client.aclose()
     return results
+
+
+async def _redis_cpu_s(client: Any) -> float:
+    info = await client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def _signed(value: bytes) -> Inbound:
@@ -161,10 +179,12 @@ def main() -> None:
     finally:
         handle.stop()
     if args.out:
+        from bench.plots import scorer_redis_plot
         from bench.run import machine_info
 
-        args.out.write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        doc = {"machine": machine_info(), "rows": rows}
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out} and {scorer_redis_plot(doc, args.out.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":
