@@ -59,3 +59,21 @@ def test_the_schedule_is_the_same_for_the_same_seed_and_covers_the_duration(sett
     a, b, c = schedule(1), schedule(1), schedule(2)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     assert 2700 < len(a) < 3300 and a[-1] > 2.9
+
+
+def test_the_summary_says_why_decisions_were_degraded(settings: Settings) -> None:
+    run = _LoadRun(LoadConfig(rate=10.0, duration_s=1.0, data=DATA, settings=settings))
+    why = ["amount over the review line", "degraded: feature store unavailable"]
+    decisions = [
+        {"transaction_id": "a", "action": "approve", "degraded": True, "explanation": why},
+        {"transaction_id": "b", "action": "review", "degraded": True, "explanation": ["degraded: model budget exceeded"]},
+        {"transaction_id": "c", "action": "approve", "degraded": True, "explanation": why},
+        {"transaction_id": "d", "action": "approve", "explanation": ["low risk"]},
+    ]
+    for doc in decisions:
+        run.sent_at[str(doc["transaction_id"])] = 0.0
+        run.collect(doc, 0.01)
+
+    summary = run.summarise(sent=4, send_s=1.0)
+    assert summary["degraded"] == 3
+    assert summary["degraded_why"] == {"feature store unavailable": 2, "model budget exceeded": 1}
