@@ -236,18 +236,12 @@ def knobs_plot(doc: Mapping[str, Any], path: Path) -> Path:
         for yi, r in zip(y, rows):
             if r.get(key) is not None:
                 ax.annotate(f" {r[key]:g}", (r[key], yi), va="center", fontsize=7)
-    m = doc.get("machine", "")
-    where = f"{m.get('cores')} cores, {m.get('cpu_model')}" if isinstance(m, dict) else m
-    fig.suptitle(f"bench.knobs — {where}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, doc, "bench.knobs", path)
 
 
 def scorer_redis_plot(doc: Mapping[str, Any], path: Path) -> Path:
-    """Per ``bench.scorer`` batch size: the scorer's CPU and Redis's, per transaction,
-    Redis's split into its script, the commands counted apart, and the rest."""
+    """Per ``bench.scorer`` batch size, per transaction: the scorer's CPU, Redis's,
+    the batch script's time in Redis, and the time of every command counted apart."""
     rows = [r for r in doc["rows"] if r.get("redis_cpu_us_per_tx") is not None]
     labels = [f"{r['batch']} ({r['lookup']})" for r in rows]
     x = np.arange(len(rows))
@@ -269,9 +263,14 @@ def scorer_redis_plot(doc: Mapping[str, Any], path: Path) -> Path:
     ax.set_ylabel("µs per transaction")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
+    return _save(fig, doc, "bench.scorer — the scoring stage and its Redis", path)
+
+
+def _save(fig: Any, doc: Mapping[str, Any], title: str, path: Path) -> Path:
+    """``fig`` to ``path``, titled with the machine the document was measured on."""
     m = doc.get("machine", "")
     where = f"{m.get('cores')} cores, {m.get('cpu_model')}" if isinstance(m, dict) else m
-    fig.suptitle(f"bench.scorer — the scoring stage and its Redis, {where}", fontsize=9)
+    fig.suptitle(f"{title} — {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

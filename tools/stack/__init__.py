@@ -381,7 +381,7 @@ def free_ports(n: int) -> list[int]:
     try:
         for _ in range(100 * n + 100):
             if len(chosen) == n:
-                return chosen
+                break
             if high - low >= 1000:
                 port = rng.randint(low, high)
             else:  # a machine whose ephemeral range starts low: let the kernel pick
@@ -392,9 +392,9 @@ def free_ports(n: int) -> list[int]:
             held.extend(sock for sock in pair if sock is not None)
             if None not in pair:
                 chosen.append(port)
-        if len(chosen) == n:
-            return chosen
-        raise StackError(f"found {len(chosen)} of {n} free ports on 127.0.0.1 between {low} and {high + 1}")
+        if len(chosen) < n:
+            raise StackError(f"found {len(chosen)} of {n} free ports on 127.0.0.1 between {low} and {high + 1}")
+        return chosen
     finally:
         for sock in held:
             sock.close()
@@ -564,8 +564,9 @@ def start_broker(
     """Start Apache Kafka on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
 
     One JVM, broker and KRaft controller (on ``controller_port``, the port after
-    the broker's if None, as ``stack_up`` places it). ``workdir/kafka-logs`` is formatted on first use and kept: a restart
-    finds its topics, offsets and transactions again. Logs to ``workdir/broker.log``.
+    the broker's if None, as ``stack_up`` places it). ``workdir/kafka-logs`` is
+    formatted on first use and kept: a restart finds its topics, offsets and
+    transactions again. Logs to ``workdir/broker.log``.
     The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
 
     ``secure``: SASL/SCRAM-SHA-512 over TLS, ACLs per role, and the project's
