@@ -143,12 +143,6 @@ class WorkerMetrics:
             "fraud_gc_pause_seconds", "Garbage collections of the worker process (the loop stops meanwhile)",
             ["generation"], buckets=REDIS_BUCKETS, registry=r,
         )  # fmt: skip
-        self.quiet = Gauge(
-            "fraud_loop_quiet",
-            "1 while the scoring loop is in its quiet regime (under FRAUD_QUIET_BELOW_TPS: batches of up to "
-            "FRAUD_QUIET_WINDOW_S, each committed at once), 0 in its busy one",
-            registry=r,
-        )
         self.model_info = Gauge(
             "fraud_model_info", "The model and rules versions deciding now (value 1)",
             ["model_version", "rules_version"], registry=r,

@@ -1,12 +1,15 @@
 """The scoring agent: transactions in, decisions out, exactly once per payment.
 
 Reads top to bottom as a batch flows: take a micro-batch from the scoring
-group's consumer (up to ``FRAUD_BATCH_SIZE`` records or ``FRAUD_BATCH_WINDOW_S``),
-score it (:class:`pipeline.scorer.Scorer`: admission, cache, enrichment,
-ensemble, rules), let the shadow model see it, commit outcomes and offsets in
-one Kafka transaction (:mod:`app.eos`), then store the decisions in the resend
-cache. Feedback and monitoring records ride in the same transaction and are
-never awaited separately, so they never hold up a decision.
+group's consumer (what is queued, up to ``FRAUD_BATCH_SIZE`` records), score it
+(:class:`pipeline.scorer.Scorer`: admission, cache, enrichment, ensemble,
+rules) while the previous batch's transaction commits, let the shadow model
+see it, send its outcomes and offsets in the next Kafka transaction
+(:mod:`app.eos`), then store the committed decisions in the resend cache.
+When a transaction commits is :mod:`agents.pace`'s rule: as soon as the
+worker has caught up, at every rate below saturation. Feedback and monitoring
+records ride in the same transaction and are never awaited separately, so
+they never hold up a decision.
 
 The records move through librdkafka (:mod:`app.eos`), not faust's stream: faust's
 per-event path cost more CPU than everything a decision does
@@ -64,9 +67,6 @@ __all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "freeze_start
 log = logging.getLogger(__name__)
 
 CACHE_WRITE_TIMEOUT_S = 0.1
-#: How long an idle worker waits for a record before looking around (a
-#: promoted model, shutdown): a record ends the wait as soon as it arrives.
-IDLE_WAIT_S = 0.25
 
 
 @dataclass
@@ -258,8 +258,9 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
 
 
 class ScoringLoop:
-    """Take a batch, score it, send its outcomes in the open transaction;
-    commit when the pace says (agents/pace.py); then cache what committed."""
+    """Take a batch, score it while the last transaction commits, send its
+    outcomes in the next; commit when the pace says (agents/pace.py); then
+    cache what committed."""
 
     def __init__(
         self,
@@ -274,10 +275,7 @@ class ScoringLoop:
         self.stream, self.scorer, self.reloader, self.metrics = stream, scorer, reloader, metrics
         self.topics, self.sign = topics, sign
         self.batch_size = settings.batch_size
-        #: The batch window and commit interval: the busy regime's, or the quiet one's at low rates.
-        self.pace = Pace(
-            settings.batch_window_s, settings.commit_interval_s, settings.quiet_window_s, settings.quiet_below_tps
-        )
+        self.pace = Pace(settings.batch_window_s, settings.commit_interval_s, settings.commit_caught_up)
         #: Per open (or just settled) transaction, the batches sent in it.
         self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
         self._last_take = time.monotonic()
@@ -291,56 +289,53 @@ class ScoringLoop:
             self.on_step()
 
     async def step(self) -> None:
-        """One batch (or none, after the pace's window), then a commit when one is due."""
+        """Take what is queued (or wait for a record), commit the open
+        transaction if it is due while this batch is scored, then send the
+        batch in the next transaction."""
         now = time.monotonic()
-        window_s, interval_s = self.pace.window, self.pace.interval
-        # The window counts from the last take: what arrived while the last
-        # batch was scored and committed has waited already, and is taken at
-        # once; right after a take, the next waits out the rest of the window
-        # for a batch to fill. NOTE: a full window from each take added its
-        # 10 ms to every decision at every rate (docs/performance.md).
-        wait = max(0.0, window_s - (now - self._last_take))
-        # Nothing came in the window: wait for the first record (not for a
-        # batch), as long as no commit is due: an idle worker sleeps instead
-        # of waking every window, and takes a record the moment it arrives.
-        idle = IDLE_WAIT_S
-        opened = self.stream.open_since
-        if opened is not None:
-            due = max(0.0, opened + interval_s - now)
-            wait = min(wait, due)
-            idle = due - wait
-        batch = await self.stream.take(self.batch_size, wait, idle)
+        batch = await self.stream.take(self.batch_size, *self.pace.waits(now, self._last_take, self.stream.open_since))
         self._last_take = taken = time.monotonic()
-        self.pace.taken(len(batch.messages), taken, full=len(batch.messages) >= self.batch_size)
-        self.metrics.quiet.set(self.pace.quiet)
         self._phase["take"].observe(taken - now)
-        if batch.messages:
-            await self.handle(batch)
-        opened = self.stream.open_since
-        now = time.monotonic()
+        full = len(batch.messages) >= self.batch_size
         # Due, or a rebalance settled one inside take(): its outcome is reported here.
-        if (opened is not None and now - opened >= self.pace.interval) or self.stream.has_settled():
-            self.settle(await self.stream.commit())
-            self._phase["commit"].observe(time.monotonic() - now)
+        committing = None
+        if self.pace.commit_due(self.stream.open_since, taken, full=full) or self.stream.has_settled():
+            # NOTE: on the client thread while this batch is scored on the
+            # event loop: the commit's round trips cost the loop only what
+            # they take beyond scoring. The batch is sent after it, in the
+            # next transaction; if it aborts, the batch is void (send says so).
+            committing = asyncio.ensure_future(self.stream.commit())
+        try:
+            scored = await self.score(batch) if batch.messages else None
+        finally:
+            if committing is not None:
+                waited = time.monotonic()
+                self.settle(await committing)
+                self._phase["commit"].observe(time.monotonic() - waited)
+        if scored is not None:
+            await self.send(batch, *scored)
 
-    async def handle(self, batch: TakenBatch) -> BatchOutput | None:
-        """One micro-batch, top to bottom."""
+    async def score(self, batch: TakenBatch) -> tuple[list[Inbound], BatchOutput, float]:
+        """One micro-batch's outcomes, top to bottom."""
         started = time.perf_counter()
         inbound = [_inbound(msg) for msg in batch.messages]
         await self.reloader.apply(self.scorer)  # a promoted model or rules, between batches
         output = await self.scorer.score_batch(inbound)
         await self.scorer.finish(output)  # the shadow model: adds to the feedback records
+        self._phase["score"].observe(time.perf_counter() - started)
+        return inbound, output, started
+
+    async def send(self, batch: TakenBatch, inbound: list[Inbound], output: BatchOutput, started: float) -> None:
+        """The batch's outcomes and offsets in the open transaction (one is begun if none is)."""
         records = output.records(self.topics, self.sign)
         sending = time.perf_counter()
-        self._phase["score"].observe(sending - started)
         seq = await self.stream.send(batch, records)
         self._phase["send"].observe(time.perf_counter() - sending)
         if seq is None:
-            return None  # taken before a rebalance: it comes again
+            return  # taken before a rebalance or an abort: it comes again
         # A resend in a later batch of this transaction finds its first decision here.
         self.scorer.cache.hold(output.to_cache)  # LocalFirstCache: what a worker builds
         self.pending.setdefault(seq, []).append((inbound, output, started))
-        return output
 
     def settle(self, outcomes: list[tuple[int, str]]) -> None:
         for seq, outcome in outcomes:

@@ -199,7 +199,11 @@ class ExactlyOnce:
         self._settled: list[tuple[int, str]] = []
         #: What this worker committed last per partition (next offset to read).
         self.committed_offsets: dict[int, int] = {}
+        #: Bumped by every rebalance and every rewind: a batch taken under an
+        #: older one is void (:meth:`send`).
         self.generation = 0
+        #: Where the last rewind since the last take put each partition back.
+        self._rewound: dict[int, int] = {}
         #: Called (on the client thread) with the partitions revoked.
         self.on_revoked: Callable[[set[int]], None] = lambda _: None
         #: Called with how long each commit took (client thread).
@@ -282,6 +286,7 @@ class ExactlyOnce:
 
     def _take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> list[Any]:
         generation = self.generation
+        self._rewound = {}
         polled = self._consumer.consume(max_records, within_s)
         if not polled and idle_s > 0:
             # NOTE: consume(n, t) returns when it has n records or t has passed,
@@ -319,6 +324,7 @@ class ExactlyOnce:
     def _send(self, batch: TakenBatch, records: Sequence[Record]) -> int | None:
         kafka = _kafka()
         if batch.generation != self.generation:
+            self._void(batch)
             return None
         producer = self._producer
         try:
@@ -345,6 +351,15 @@ class ExactlyOnce:
             return txn.seq
         self._txn.add(batch)
         return self._txn.seq
+
+    def _void(self, batch: TakenBatch) -> None:
+        """A batch taken before a transaction that did not commit: the loop
+        takes the next batch while the last transaction commits, so when that
+        one aborts, what was taken after it must come again too. Each of the
+        batch's partitions goes back to the batch's first offset, unless the
+        abort already put it further back (its records were in the aborted
+        transaction) or it was given up (its new owner reads the committed offset)."""
+        self._seek({p: o for p, o in batch.first.items() if p not in self._rewound})
 
     def has_settled(self) -> bool:
         """Whether a transaction was settled outside :meth:`commit` (by a rebalance)."""
@@ -472,7 +487,11 @@ class ExactlyOnce:
                 except kafka.KafkaException as exc:
                     log.warning("reading committed offsets failed (%s): going back to the first offsets sent", exc)
             # No committed offset (negative): the transaction's first offset is where it starts.
-            self._seek({p: o if o >= 0 else txn.first[p] for p, o in committed.items()})
+            rewound = {p: o if o >= 0 else txn.first[p] for p, o in committed.items()}
+            self._seek(rewound)
+            self._rewound.update(rewound)
+        # Whatever was taken after this transaction is void: its records come again after these.
+        self.generation += 1
         fenced = err is not None and err.code() in _fencing_codes()
         return "fenced" if fenced else "aborted"
 

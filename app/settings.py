@@ -247,8 +247,12 @@ class Settings(BaseSettings):
     call. Bounded so that a batch of users whose profiles are not in the local
     cache (a cold start, a rebalance) stays well inside ``redis_timeout_s``."""
 
-    batch_window_s: float = 0.01
-    """Micro-batch window: a batch is scored when full or after this long."""
+    batch_window_s: float = 0.0
+    """The longest a take waits for a micro-batch to fill, counted from the
+    last take. 0: a batch is what is queued when the loop comes for it; under
+    load that is what arrived while the last batch was scored and committed,
+    so batches grow with the rate by themselves (agents/pace.py). Above 0,
+    every record at a low rate waits up to this long for others."""
 
     fetch_min_bytes: int = 1
     """The scoring consumer's ``fetch.min.bytes``: the broker answers a fetch once
@@ -256,29 +260,21 @@ class Settings(BaseSettings):
     requests for the broker to serve, each decision waiting up to the max wait."""
 
     commit_interval_s: float = 0.025
-    """How long one Kafka transaction stays open over consecutive batches before
-    it commits them (Kafka Streams' ``commit.interval.ms`` under exactly-once).
-    A decision becomes visible when its transaction commits, so this adds up to
-    its length to a decision's latency; what it saves is the broker's cost per
-    transaction (requests, a marker in every partition written), paid once per
-    interval instead of once per batch (docs/performance.md). 0: every batch
-    commits on its own."""
+    """The longest one Kafka transaction stays open over consecutive batches
+    (Kafka Streams' ``commit.interval.ms`` under exactly-once). With
+    ``commit_caught_up`` (the default) a transaction spans batches only while
+    a queue has formed (takes come back full): the broker's cost per
+    transaction (requests, a marker in every partition written) is then paid
+    once per interval, however deep the backlog. 0: every batch commits on its
+    own."""
 
-    quiet_below_tps: float = 1200.0
-    """Under this many records a second (per worker, counted each second;
-    entered under 80 % of it), a batch waits for ~25 records (up to
-    ``quiet_window_s``) and commits on its own at once, instead of the busy
-    regime's ``batch_window_s`` batches sharing a ``commit_interval_s``
-    transaction: a batch's and a transaction's fixed costs are paid once per
-    several decisions, not once per decision or two (agents/pace.py,
-    docs/performance.md). 0: always busy."""
-
-    quiet_window_s: float = 0.1
-    """The longest a record waits for its quiet batch to fill (the wait is
-    ~25 records' worth: 25 ms at 1,000 records a second, 50 at 500, this
-    under 250). At 100 TPS 0.1 s took ~30 % less CPU per decision than 0.05
-    and added ~50 ms to the p99 (~120 ms); lower it where latency at low
-    rates matters more than CPU (docs/performance.md)."""
+    commit_caught_up: bool = True
+    """Commit the open transaction as soon as a take comes back with less than
+    a full batch (the worker has caught up with its partitions), while the
+    next batch is scored: below saturation a decision waits for its own
+    batch's commit only, not for a commit interval. false: every transaction
+    stays open ``commit_interval_s`` (fewer transactions at low rates, each
+    decision waiting up to the interval longer)."""
 
     loop_stall_exit_s: float = 120.0
     """A scoring loop that has not finished a step in this long is stuck where

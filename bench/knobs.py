@@ -50,11 +50,9 @@ KNOBS: dict[str, dict[str, str]] = {
     "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
     "batch_256_window_20ms": {"FRAUD_BATCH_SIZE": "256", "FRAUD_BATCH_WINDOW_S": "0.02"},
     "batch_1024_window_20ms": {"FRAUD_BATCH_SIZE": "1024", "FRAUD_BATCH_WINDOW_S": "0.02"},
-    "batch_256_window_20ms_busy_only": {"FRAUD_BATCH_SIZE": "256", "FRAUD_BATCH_WINDOW_S": "0.02",
-                                        "FRAUD_QUIET_BELOW_TPS": "0"},
-    # The busy regime at every rate (agents/pace.py): no quiet one under FRAUD_QUIET_BELOW_TPS.
-    "busy_only": {"FRAUD_QUIET_BELOW_TPS": "0"},
-    "quiet_window_50ms": {"FRAUD_QUIET_WINDOW_S": "0.05"},
+    # Kafka Streams' pacing: a 10 ms window and every transaction open its whole
+    # interval, instead of committing as soon as the worker has caught up (agents/pace.py).
+    "interval_only": {"FRAUD_BATCH_WINDOW_S": "0.01", "FRAUD_COMMIT_CAUGHT_UP": "false"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
     # Scores from XGBoost instead of the compiled trees (models/compiled.py).

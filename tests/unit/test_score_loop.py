@@ -106,11 +106,13 @@ class Worker:
     def __init__(
         self, kafka: FakeKafka, registry: Path, models: dict[str, ConstantModel], *, name: str = "w1",
         serving: str = "v1", interval_s: float = NEVER, shared: SharedCache | None = None, window_s: float = 0.0,
+        caught_up: bool = False,
     ) -> None:  # fmt: skip
         self.kafka = kafka
-        # The busy regime throughout: the quiet one is switched into by the rate a
-        # worker measures over seconds (tests/unit/test_pace.py; set directly below).
-        settings = Settings(batch_size=32, batch_window_s=window_s, commit_interval_s=interval_s, quiet_below_tps=0)
+        # By default a test commits when it says so (``commit``), or when a
+        # short interval it sets has passed; ``caught_up``: as a worker ships.
+        settings = Settings(batch_size=32, batch_window_s=window_s, commit_interval_s=interval_s,
+                            commit_caught_up=caught_up)  # fmt: skip
         self.stream = ExactlyOnce(
             topic=TOPIC, group_id=GROUP, transactional_id=f"{GROUP}-{TOPIC}-{name}", client_config={},
             consumer_factory=kafka.consumer, producer_factory=kafka.producer,
@@ -537,31 +539,113 @@ def test_a_transaction_commits_once_the_commit_interval_has_passed(tmp_path: Pat
     assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2"]
 
 
-def test_in_the_quiet_regime_each_batch_waits_the_quiet_window_and_commits_at_once(
-    tmp_path: Path, models: Any
-) -> None:
-    """Light traffic: a batch's decisions become visible as soon as it is scored,
-    not at the end of a transaction it shares (the busy interval here never ends)."""
+def test_at_a_low_rate_each_batch_commits_as_soon_as_the_worker_has_caught_up(tmp_path: Path, models: Any) -> None:
+    """As a worker ships: no window for a batch to fill, no interval to wait
+    out: the take after a batch finds nothing queued, and its transaction commits."""
     kafka = new_kafka()
-    worker = Worker(kafka, tmp_path, models, window_s=0.0)
-    worker.loop.pace.quiet, worker.loop.pace.quiet_window_s = True, 0.3
-    waits = worker.record_take_waits()
+    worker = Worker(kafka, tmp_path, models, caught_up=True)
+    waits: list[tuple[float, float]] = []
+    take = worker.stream.take
+
+    async def recording_take(max_records: int, within_s: float, idle_s: float = 0.0) -> Any:
+        waits.append((within_s, idle_s))
+        return await take(max_records, within_s, idle_s)
+
+    worker.stream.take = recording_take  # type: ignore[method-assign]
 
     async def go() -> None:
         await worker.start()
         write_new(kafka, 0, 2)
-        await worker.step()
-        assert len(kafka.events("commit")) == 1  # committed with its batch
+        await worker.step()  # taken, scored, sent
+        await worker.step()  # nothing queued: the transaction commits
+        assert len(kafka.events("commit")) == 1
         assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]
         write_new(kafka, 0, 1)
+        await worker.step()
         await worker.step()
         assert len(kafka.events("commit")) == 2
         await worker.stop()
 
     asyncio.run(go())
-    assert waits[-1] > 0.2  # the quiet window, counted from the last take
-    assert worker.metrics.registry.get_sample_value("fraud_loop_quiet") == 1.0
+    assert waits[2] == (0.0, 0.0)  # a transaction open: no wait for more records
     assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2"]
+
+
+def test_the_next_batch_is_scored_while_the_last_transaction_commits_and_is_sent_after_it(
+    tmp_path: Path, models: Any
+) -> None:
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models, caught_up=True)
+    scored: list[tuple[str, int]] = []
+    score_batch = worker.scorer.score_batch
+
+    async def noting_score_batch(inbound: Any) -> Any:
+        scored.append(("score", len(kafka.events("commit"))))
+        return await score_batch(inbound)
+
+    worker.scorer.score_batch = noting_score_batch  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await worker.start()
+        write_new(kafka, 0, 2)
+        await worker.step()
+        write_new(kafka, 0, 3)  # arrived while the first batch was scored
+        await worker.step()  # the first transaction commits while these are scored
+        assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]  # the second batch is in the next one
+        await worker.step()
+        await worker.stop()
+
+    asyncio.run(go())
+    commits = kafka.events("commit")
+    assert len(commits) == 2
+    assert fresh(kafka) == [f"t-loop-0-{i}" for i in range(5)]
+    assert kafka.committed(GROUP, TOPIC) == {0: 5}
+
+
+def test_while_a_queue_has_formed_a_transaction_spans_full_batches(tmp_path: Path, models: Any) -> None:
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models, caught_up=True)
+
+    async def go() -> None:
+        await worker.start()
+        write_new(kafka, 0, 70)  # a backlog: two full batches of 32, then 6
+        await worker.step()
+        await worker.step()
+        assert kafka.events("commit") == []  # full takes: the transaction stays open
+        await worker.step()  # 6: caught up, the 64 commit together
+        assert len(kafka.events("commit")) == 1 and len(fresh(kafka)) == 64
+        await worker.step()
+        await worker.stop()
+
+    asyncio.run(go())
+    assert len(fresh(kafka)) == 70 and len(set(fresh(kafka))) == 70
+
+
+def test_a_batch_taken_while_the_last_transaction_aborts_comes_again_and_is_decided_once(
+    tmp_path: Path, models: Any
+) -> None:
+    """The loop takes the next batch before the last transaction's commit
+    ends: when that commit fails, the batch in hand is void, and its records
+    come again after the aborted ones, of the same partition or another."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models, caught_up=True)
+
+    async def go() -> None:
+        await worker.start()
+        write_new(kafka, 0, 2)
+        await worker.step()  # partition 0's first two, in the open transaction
+        write_new(kafka, 0, 1)
+        write_new(kafka, 1, 2)  # a partition the failing transaction does not hold
+        kafka.commit_errors.append(error(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, abortable=True))
+        await worker.step()  # taken; the commit fails: nothing is sent
+        assert decisions(kafka) == [] and worker.stream.open_since is None  # none of it sent
+        for _ in range(4):
+            await worker.step()
+        await worker.stop()
+
+    asyncio.run(go())
+    assert sorted(fresh(kafka)) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2", "t-loop-1-0", "t-loop-1-1"]
+    assert kafka.committed(GROUP, TOPIC) == {0: 3, 1: 2}
 
 
 def test_records_that_queued_while_a_batch_was_scored_are_taken_without_another_window(
@@ -596,11 +680,12 @@ def test_the_loop_reports_where_its_time_goes(tmp_path: Path, models: Any) -> No
         await worker.start()
         write_new(kafka, 0, 2)
         await worker.step()
+        await worker.step()  # the interval (0) has passed: its transaction commits
         await worker.stop()
 
     asyncio.run(go())
     count = worker.metrics.registry.get_sample_value
-    assert count("fraud_loop_seconds_count", {"phase": "take"}) == 2  # joining, then the batch
+    assert count("fraud_loop_seconds_count", {"phase": "take"}) == 3  # joining, the batch, the commit's
     assert count("fraud_loop_seconds_count", {"phase": "score"}) == 1
     assert count("fraud_loop_seconds_count", {"phase": "send"}) == 1
     assert count("fraud_loop_seconds_count", {"phase": "commit"}) == 1
@@ -634,6 +719,7 @@ def test_a_promoted_model_is_swapped_in_between_batches(tmp_path: Path, models: 
             seen = len(decisions(kafka))
             write_new(kafka, 0, 4)
             await worker.step()
+            await worker.commit()
             versions.append({d["model_version"] for d in decisions(kafka)[seen:]})
             await asyncio.sleep(0.01)  # the load runs on a thread meanwhile
         await worker.stop()
