@@ -279,6 +279,8 @@ class ScoringLoop:
         #: Per open (or just settled) transaction, the batches sent in it.
         self.pending: dict[int, list[tuple[list[Inbound], BatchOutput, float]]] = {}
         self._last_take = time.monotonic()
+        #: The commit running while a batch is scored, if any.
+        self._committing: asyncio.Future[list[tuple[int, str]]] | None = None
         self._phase = {phase: metrics.loop_seconds.labels(phase) for phase in ("take", "score", "send", "commit")}
         #: Called after every step (agents/watchdog.py: a loop that stops stepping exits).
         self.on_step: Callable[[], None] = lambda: None
@@ -298,19 +300,20 @@ class ScoringLoop:
         self._phase["take"].observe(taken - now)
         full = len(batch.messages) >= self.batch_size
         # Due, or a rebalance settled one inside take(): its outcome is reported here.
-        committing = None
         if self.pace.commit_due(self.stream.open_since, taken, full=full) or self.stream.has_settled():
             # NOTE: on the client thread while this batch is scored on the
             # event loop: the commit's round trips cost the loop only what
             # they take beyond scoring. The batch is sent after it, in the
             # next transaction; if it aborts, the batch is void (send says so).
-            committing = asyncio.ensure_future(self.stream.commit())
+            self._committing = asyncio.ensure_future(self.stream.commit())
         try:
             scored = await self.score(batch) if batch.messages else None
         finally:
-            if committing is not None:
+            if self._committing is not None:
                 waited = time.monotonic()
-                self.settle(await committing)
+                # Shielded: a cancelled loop (shutdown) leaves the commit to drain().
+                self.settle(await asyncio.shield(self._committing))
+                self._committing = None
                 self._phase["commit"].observe(time.monotonic() - waited)
         if scored is not None:
             await self.send(batch, *scored)
@@ -358,6 +361,9 @@ class ScoringLoop:
 
     async def drain(self) -> None:
         """Commit what is open (on shutdown)."""
+        if self._committing is not None:
+            self.settle(await self._committing)
+            self._committing = None
         if self.pending:
             self.settle(await self.stream.commit())
 
