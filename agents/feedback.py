@@ -55,7 +55,7 @@ def quality_store(settings: Settings) -> RedisQualityStore:
     client = redis_client.async_client(settings, timeout_s=REDIS_TIMEOUT_S, connect_timeout_s=REDIS_TIMEOUT_S)
     return RedisQualityStore(
         client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined,
-        prefix=redis_keys.quality_prefix(settings.app_id),
+        prefix=redis_keys.quality_prefix(settings.app_id), cluster=redis_client.is_cluster(settings),
     )  # fmt: skip
 
 

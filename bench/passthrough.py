@@ -4,7 +4,7 @@ It consumes the same topic with the same faust settings as the scoring app
 (fetch max wait, producer linger, session timeout, ``take_events(batch_size,
 within)``, ``concurrency=1``) and produces each message's bytes unchanged,
 under its input key, to ``decisions``. The only thing it leaves out is the
-scoring work, so the gap between it and :func:`agents.score.create_app` at the
+scoring work, so the gap between it and :func:`agents.wiring.create_app` at the
 same offered rate is what scoring costs. The load generator matches outputs by
 the ``transaction_id`` inside the value, which the forwarded transaction has.
 
@@ -30,7 +30,7 @@ __all__ = ["create_passthrough_app", "main"]
 
 
 def create_passthrough_app(settings: Settings) -> faust.App:
-    """A faust app configured as :func:`agents.score.create_app` is, minus scoring."""
+    """A faust app configured as :func:`agents.wiring.create_app` is, minus scoring."""
     app = base_app(settings)
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **RAW)
     decisions = RawTopic(app, settings.topic_decisions)  # the scoring app's produce path

@@ -254,7 +254,8 @@ class Gateway:
             max_connections=GATEWAY_REDIS_CONNECTIONS,
         )  # fmt: skip
         self.limiter = RedisRateLimiter(
-            self.redis, s.gateway_rate_per_s, s.gateway_burst, s.rate_user_per_s, s.rate_user_burst
+            self.redis, s.gateway_rate_per_s, s.gateway_burst, s.rate_user_per_s, s.rate_user_burst,
+            cluster=redis_client.is_cluster(s),
         )
 
     async def stop(self) -> None:
