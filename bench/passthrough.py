@@ -17,7 +17,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
 
 import faust
 
@@ -36,14 +36,15 @@ def create_passthrough_app(settings: Settings) -> faust.App:
     decisions = RawTopic(app, settings.topic_decisions)  # the scoring app's produce path
 
     @app.agent(transactions, concurrency=1)  # as the scoring agent (faust-streaming #606)
-    async def forward(stream: faust.StreamT) -> None:
+    async def forward(stream: faust.StreamT[bytes]) -> None:
         size, within = settings.batch_size, settings.batch_window_s
-        async for events in stream.take_events(size, within=within):
-            # As the scoring app emits: enqueue the batch, then await deliveries together.
-            pending = [await decisions.send(event.message.key, event.message.value) for event in events]
+        # NOTE: faust's StreamT does not declare take_events; the Stream it passes has it.
+        async for events in cast("faust.Stream[bytes]", stream).take_events(size, within=within):
+            # As the scoring app emits: enqueue the batch, then await deliveries together
+            # (a record without a value forwarded empty, as the scoring loop reads one).
+            pending = [await decisions.send(event.message.key, event.message.value or b"") for event in events]
             await asyncio.gather(*pending)
 
-    app.passthrough_agent = forward
     return app
 
 
