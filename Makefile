@@ -102,7 +102,7 @@ materialize: setup $(DATA)
 	$(FP) materialize --data $(DATA)
 
 # Static checks, run first by `make test`: style and errors (ruff), types (mypy,
-# strict on app/, pipeline/, models/), and the layer contract (import-linter:
+# strict on every package: app/ to bench/), and the layer contract (import-linter:
 # imports only run down bench > tools > agents | gateway > models > pipeline > app).
 lint: setup
 	$(BIN)/ruff check .

@@ -55,7 +55,7 @@ def quality_store(settings: Settings) -> RedisQualityStore:
     client = redis_client.async_client(settings, timeout_s=REDIS_TIMEOUT_S, connect_timeout_s=REDIS_TIMEOUT_S)
     return RedisQualityStore(
         client, ttl_s=settings.quality_join_window_s, max_joined=settings.quality_max_joined,
-        prefix=redis_keys.quality_prefix(settings.app_id),
+        prefix=redis_keys.quality_prefix(settings.app_id), cluster=redis_client.is_cluster(settings),
     )  # fmt: skip
 
 
@@ -83,7 +83,7 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
             log.warning("quality: %d %s not recorded (%r)", len(items), what, exc)
 
     @app.agent(feedback, name="quality-feedback")
-    async def quality_feedback(stream: faust.StreamT) -> None:
+    async def quality_feedback(stream: faust.StreamT[bytes]) -> None:
         async for values in stream.take(BATCH, within=WITHIN_S):
             served = []
             for raw in values:
@@ -96,7 +96,7 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
             await retried("decisions", store().add_served, served)
 
     @app.agent(labels, name="quality-labels")
-    async def quality_labels(stream: faust.StreamT) -> None:
+    async def quality_labels(stream: faust.StreamT[bytes]) -> None:
         async for values in stream.take(BATCH, within=WITHIN_S):
             now = time.time()
             parsed = []
@@ -110,7 +110,6 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
                 parsed.append(label)
             await retried("labels", store().add_labels, parsed)
 
-    @app.timer(settings.quality_every_s, on_leader=True)
     async def publish_quality() -> None:
         try:
             joined, decided = await store().snapshot()
@@ -121,3 +120,6 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
             return
         record = {"kind": "quality", "at": time.time(), **quality_report(joined, decided)}
         await monitoring.send(value=orjson.dumps(record))
+
+    # Registered by a call: faust's decorator is annotated as a bare Callable (agents/wiring.py).
+    app.timer(settings.quality_every_s, on_leader=True)(publish_quality)

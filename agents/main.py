@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from agents.score import create_app
+from agents.wiring import create_app
 from app.settings import get_settings
 from app.topics import ensure_topics
 

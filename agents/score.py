@@ -16,245 +16,32 @@ per-event path cost more CPU than everything a decision does
 (docs/performance.md). faust still hosts the worker: its web server and
 metrics, the registry watch, the merchant tally and the feedback loop.
 
-    fraud-pipeline worker            # this agent, plus the feedback loop's (--role all)
+What the loop works with is built and connected once, at start, by
+:mod:`agents.wiring` (``fraud-pipeline worker``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import faust
-
-from agents.feedback import install_feedback_loop
 from agents.metrics import WorkerMetrics
 from agents.pace import Pace
 from agents.reload import Reloader
-from agents.tally import install_merchant_tally
-from agents.watchdog import LoopWatchdog
-from app import redis_client
 from app.contract import Transaction
 from app.eos import ExactlyOnce, TakenBatch
-from app.errors import ConfigError
-from app.faust_app import base_app
-from app.librdkafka import client_config
 from app.settings import Settings
-from models.registry import load_ensemble
-from pipeline.admission import Admission
-from pipeline.auth import ClientKeys, RedisReplayGuard
-from pipeline.cache import LocalFirstCache, RedisDecisionCache
-from pipeline.decision_signing import DecisionSigner, signer_from_settings
-from pipeline.feature_store import RedisFeatureStore
-from pipeline.labels import MerchantTally
-from pipeline.model import ScoringModel
-from pipeline.ratelimit import RedisRateLimiter
-from pipeline.redis_batch import RedisBatchLookup
-from pipeline.rules import RuleSet, load_rules
+from pipeline.cache import HoldingCache
 from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
-from pipeline.validate import Limits
 
-__all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "freeze_startup_heap", "scoring_group"]
+__all__ = ["ScoringLoop"]
 
 log = logging.getLogger(__name__)
 
 CACHE_WRITE_TIMEOUT_S = 0.1
-
-
-@dataclass
-class Runtime:
-    """What a worker loads once at start: settings, rules and the model."""
-
-    settings: Settings
-    rules: RuleSet
-    model: ScoringModel | None
-    client_keys: ClientKeys
-    decision_signer: DecisionSigner
-
-    @classmethod
-    def load(cls, settings: Settings) -> Runtime:
-        rules = load_rules(settings.rules_path)
-        model = load_ensemble(settings.registry_dir, settings.model_version, compiled_dir=compiled_dir(settings))
-        keys = ClientKeys.load(
-            settings.client_keys_file,
-            settings.client_keys.get_secret_value() if settings.client_keys else None,
-        )
-        if not keys and not settings.allow_unsigned:
-            log.warning(
-                "no producer keys (FRAUD_CLIENT_KEYS_FILE / FRAUD_CLIENT_KEYS) and unsigned traffic is "
-                "not allowed: every transaction will be dead-lettered as unauthenticated"
-            )
-        log.info("serving model %s with rules %s; producers: %r", model.version, rules.version, keys)
-        return cls(settings, rules, model, keys, load_decision_signer(settings))
-
-    def build_scorer(self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None) -> Scorer:
-        """Redis clients need the running loop: call this inside the agent."""
-        s = self.settings
-        client = redis_client.async_client(s)  # one server or a Redis Cluster
-        admission = self.admission(client)
-        store = RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s)
-        cache = LocalFirstCache(
-            RedisDecisionCache(client, s.decision_cache_ttl_s),
-            ttl_s=s.decision_cache_ttl_s,
-            wait_s=s.cache_wait_s,
-        )
-        return Scorer(
-            admission=admission,
-            model=self.model,
-            rules=self.rules,
-            store=store,
-            cache=cache,
-            # One server: cache, admission and enrichment in one call per batch (None on a cluster).
-            lookup=RedisBatchLookup.build(client, cache, store, admission),
-            limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
-            model_budget_s=s.model_budget_ms / 1000.0,
-            merchant_tally=merchant_tally,
-        )
-
-    def reloader(self) -> Reloader:
-        s = self.settings
-        return Reloader(
-            registry=s.registry_dir,
-            rules_path=s.rules_path,
-            pinned_version=s.model_version,
-            model=self.model,
-            rules=self.rules,
-            check_every_s=s.reload_check_s,
-            drift_window_rows=s.drift_window_rows,
-            drift_warn_psi=s.drift_warn_psi,
-            load=lambda registry, version: load_ensemble(registry, version, compiled_dir=compiled_dir(s)),
-        )
-
-    def admission(self, client: Any) -> Admission:
-        s = self.settings
-        return Admission(
-            keys=self.client_keys,
-            window_s=s.auth_window_s,
-            allow_unsigned=s.allow_unsigned,
-            replay=RedisReplayGuard(client),
-            limiter=RedisRateLimiter(
-                client, s.rate_client_per_s, s.rate_client_burst, s.rate_user_per_s, s.rate_user_burst
-            ),
-        )
-
-
-def compiled_dir(settings: Settings) -> Path | None:
-    """Where the served model's compiled trees live, or None: XGBoost only."""
-    return settings.compiled_trees_dir if settings.compiled_trees else None
-
-
-def load_decision_signer(settings: Settings) -> DecisionSigner:
-    """The key every decision is signed with. None configured: refuse to start,
-    unless ``allow_unsigned`` (development), when a throwaway key signs them:
-    no consumer that checks signatures will accept those decisions."""
-    signer = signer_from_settings(settings)
-    if signer is not None:
-        log.info("signing decisions with key %s", signer.key_id)
-        return signer
-    if not settings.allow_unsigned:
-        raise ConfigError(
-            "no decision signing key: set FRAUD_DECISION_SIGNING_KEY_FILE (`fraud-pipeline decision-key` "
-            "writes one) or, for development only, FRAUD_ALLOW_UNSIGNED=true"
-        )
-    signer = DecisionSigner.generate()
-    log.warning(
-        "!!! NO DECISION SIGNING KEY: signing decisions with a throwaway key (%s) because FRAUD_ALLOW_UNSIGNED "
-        "is on. Consumers that verify decisions (gateway, loadgen) refuse them. Development only. !!!",
-        signer.key_id,
-    )
-    return signer
-
-
-def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
-    """The scoring worker's app. ``runtime`` defaults to loading rules and model from settings."""
-    runtime = runtime or Runtime.load(settings)
-    app = base_app(settings)
-    metrics = WorkerMetrics.install(app, settings, faust_sensors=settings.faust_sensors)  # /metrics
-    metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
-    metrics.watch_gc()
-    merchant_tally = install_merchant_tally(app, settings)  # live confirmed fraud per merchant, for the rules
-    reloader = runtime.reloader()
-    stream = exactly_once(settings, metrics)
-    topics = {
-        "decisions": settings.topic_decisions,
-        "dead_letters": settings.topic_dlq,
-        "feedback": settings.topic_feedback,
-        "monitoring": settings.topic_monitoring,
-    }
-
-    @app.task
-    async def score() -> None:
-        scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
-        loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings)
-        watchdog = LoopWatchdog(settings.loop_stall_exit_s)
-        loop.on_step = watchdog.beat
-        try:
-            await scorer.warm_up()
-            await reloader.apply(scorer)  # the shadow and drift reference, if any
-            # NOTE: inside the try: a worker whose producer cannot start (the
-            # coordinator unreachable past init_transactions' timeout) exits to
-            # be restarted, instead of serving /metrics while deciding nothing.
-            await stream.start()
-            log.info(
-                "scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id
-            )
-            freeze_startup_heap()
-            watchdog.start(asyncio.get_running_loop())  # a step that never ends: stacks, then exit
-            await loop.run()
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            # Nothing of an uncommitted batch is visible: a restarted worker
-            # takes it again from the committed offsets.
-            log.critical("the scoring loop failed; exiting so the worker is restarted", exc_info=True)
-            os._exit(70)
-        finally:
-            watchdog.stop()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(loop.drain(), 10.0)
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(stream.close(), 10.0)  # leaves the group: its partitions move at once
-
-    @app.timer(settings.reload_check_s)
-    async def watch_registry() -> None:  # loads in the background; swaps happen in the agent
-        await reloader.poll()
-
-    if settings.worker_role == "all":  # "score": the feedback loop runs in its own workers
-        install_feedback_loop(app, settings)
-
-    app.runtime = runtime
-    app.metrics = metrics
-    app.scoring_stream = stream
-    return app
-
-
-def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
-    """The scoring group's consumer and this worker's transactional producer (app/eos.py)."""
-    worker_id = settings.worker_id or f"{socket.gethostname()}-{settings.web_port}"
-    stream = ExactlyOnce(
-        topic=settings.topic_transactions,
-        group_id=scoring_group(settings),
-        transactional_id=f"{settings.app_id}-score-{settings.topic_transactions}-{worker_id}",
-        client_config=client_config(settings, f"{settings.app_id}-score"),
-        session_timeout_ms=int(settings.session_timeout_s * 1000),
-        heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
-        linger_ms=settings.producer_linger_s * 1000,
-        compression=settings.producer_compression,
-        fetch_min_bytes=settings.fetch_min_bytes,
-        fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
-    )
-    stream.on_result = lambda result: metrics.transactions.labels(result).inc()
-    stream.on_commit_seconds = metrics.commit_seconds.observe
-    metrics.offsets = stream.offsets
-    return stream
 
 
 class ScoringLoop:
@@ -271,8 +58,14 @@ class ScoringLoop:
         topics: dict[str, str],
         sign: Signs | None,
         settings: Settings,
+        *,
+        cache: HoldingCache,
     ) -> None:
+        """``cache`` is the scorer's own decision cache (``scorer.cache``, before
+        any wrapping): the loop holds each sent batch's decisions in it until
+        its transaction settles."""
         self.stream, self.scorer, self.reloader, self.metrics = stream, scorer, reloader, metrics
+        self.cache = cache
         self.topics, self.sign = topics, sign
         self.batch_size = settings.batch_size
         self.pace = Pace(settings.batch_window_s, settings.commit_interval_s, settings.commit_caught_up)
@@ -337,7 +130,7 @@ class ScoringLoop:
         if seq is None:
             return  # taken before a rebalance or an abort: it comes again
         # A resend in a later batch of this transaction finds its first decision here.
-        self.scorer.cache.hold(output.to_cache)  # LocalFirstCache: what a worker builds
+        self.cache.hold(output.to_cache)
         self.pending.setdefault(seq, []).append((inbound, output, started))
 
     def settle(self, outcomes: list[tuple[int, str]]) -> None:
@@ -352,7 +145,7 @@ class ScoringLoop:
             else:
                 log.warning("%d batch(es) not committed (%s): their records are decided again", len(batches), outcome)
                 for _, output, _ in batches:
-                    self.scorer.cache.release(output.to_cache)
+                    self.cache.release(output.to_cache)
 
     def _cache_later(self, decisions: list[tuple[Transaction, bytes]]) -> None:
         if decisions:
@@ -366,28 +159,6 @@ class ScoringLoop:
             self._committing = None
         if self.pending:
             self.settle(await self.stream.commit())
-
-
-def freeze_startup_heap() -> None:
-    """Leave what start-up built (modules, the model, faust, the clients) out
-    of every later garbage collection.
-
-    NOTE: a full collection walks every tracked object; the ~200,000 that
-    start-up leaves behind made each one a pause of 60-180 ms on the scoring
-    loop under load (docs/performance.md), all of it for objects that live
-    as long as the process. ``gc.freeze`` moves them to a generation the
-    collector never visits; what the worker allocates later is collected as
-    before.
-    """
-    gc.collect()
-    gc.freeze()
-    log.debug("%d start-up objects left out of garbage collection", gc.get_freeze_count())
-
-
-def scoring_group(settings: Settings) -> str:
-    """The consumer group of the scoring workers (faust's own group, ``app_id``,
-    reads the labels for the merchant tally)."""
-    return f"{settings.app_id}-score"
 
 
 async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, bytes]]) -> None:

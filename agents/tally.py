@@ -35,7 +35,7 @@ def install_merchant_tally(app: faust.App, settings: Settings) -> Callable[[str]
         return MerchantTally.from_json(doc) if doc else None
 
     @app.agent(labels)
-    async def tally_labels(stream: faust.StreamT) -> None:
+    async def tally_labels(stream: faust.StreamT[bytes]) -> None:
         async for raw in stream.group_by(_label_merchant, name="labels-by-merchant"):
             label = parse_label(raw)
             if isinstance(label, str) or label.merchant_id is None:

@@ -110,7 +110,9 @@ class LoopWatchdog:
         """Every thread's stack, then (if the event loop still runs) every task's."""
         # NOTE: the process's own stderr: faust replaces sys.stderr with a
         # logging proxy that has no file descriptor for faulthandler to write to.
-        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        stderr = sys.__stderr__  # None only in a process started without one
+        if stderr is not None:
+            faulthandler.dump_traceback(file=stderr, all_threads=True)
         loop = self._loop
         if loop is not None and loop.is_running():
             loop.call_soon_threadsafe(_dump_tasks)

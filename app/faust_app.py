@@ -1,6 +1,6 @@
 """The faust app every worker of this project runs on: broker, credentials, web.
 
-Shared by the scoring worker (:mod:`agents.score`), the feedback loop
+Shared by the scoring worker (:mod:`agents.wiring`), the feedback loop
 (:mod:`agents.feedback`) and the benchmark's pass-through, so all of them reach
 the broker in exactly the same way. Agents are added by those modules.
 """

@@ -121,7 +121,8 @@ def per_minute(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
         def ms_per_decision(key: str, a: dict[str, Any] = prev, b: dict[str, Any] = e, n: int = decided) -> float | None:
             if b.get(key) is None or a.get(key) is None or n <= 0:
                 return None
-            return round(1000 * (b[key] - a[key]) / n, 3)
+            ms: float = round(1000 * (b[key] - a[key]) / n, 3)
+            return ms
 
         rows.append({
             "minute": round(e["t"] / 60, 2),

@@ -65,7 +65,8 @@ def undetectable(rows: pd.DataFrame, frauds: pd.DataFrame) -> np.ndarray:
         int(np.searchsorted(t, b, side="left")) > int(np.searchsorted(t, a, side="left"))
         for t, a, b in ((by_merchant.get(m, empty), a, b) for m, a, b in zip(rows["merchant_id"], lo, hi))
     ], dtype=bool)  # fmt: skip
-    return (rows["scenario"].to_numpy() == TERMINAL) & ~seen
+    missed: np.ndarray = (rows["scenario"].to_numpy() == TERMINAL) & ~seen
+    return missed
 
 
 def scenario_names(column: pd.Series) -> pd.Series:

@@ -4,7 +4,7 @@ It consumes the same topic with the same faust settings as the scoring app
 (fetch max wait, producer linger, session timeout, ``take_events(batch_size,
 within)``, ``concurrency=1``) and produces each message's bytes unchanged,
 under its input key, to ``decisions``. The only thing it leaves out is the
-scoring work, so the gap between it and :func:`agents.score.create_app` at the
+scoring work, so the gap between it and :func:`agents.wiring.create_app` at the
 same offered rate is what scoring costs. The load generator matches outputs by
 the ``transaction_id`` inside the value, which the forwarded transaction has.
 
@@ -17,7 +17,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
 
 import faust
 
@@ -30,20 +30,21 @@ __all__ = ["create_passthrough_app", "main"]
 
 
 def create_passthrough_app(settings: Settings) -> faust.App:
-    """A faust app configured as :func:`agents.score.create_app` is, minus scoring."""
+    """A faust app configured as :func:`agents.wiring.create_app` is, minus scoring."""
     app = base_app(settings)
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **RAW)
     decisions = RawTopic(app, settings.topic_decisions)  # the scoring app's produce path
 
     @app.agent(transactions, concurrency=1)  # as the scoring agent (faust-streaming #606)
-    async def forward(stream: faust.StreamT) -> None:
+    async def forward(stream: faust.StreamT[bytes]) -> None:
         size, within = settings.batch_size, settings.batch_window_s
-        async for events in stream.take_events(size, within=within):
-            # As the scoring app emits: enqueue the batch, then await deliveries together.
-            pending = [await decisions.send(event.message.key, event.message.value) for event in events]
+        # NOTE: faust's StreamT does not declare take_events; the Stream it passes has it.
+        async for events in cast("faust.Stream[bytes]", stream).take_events(size, within=within):
+            # As the scoring app emits: enqueue the batch, then await deliveries together
+            # (a record without a value forwarded empty, as the scoring loop reads one).
+            pending = [await decisions.send(event.message.key, event.message.value or b"") for event in events]
             await asyncio.gather(*pending)
 
-    app.passthrough_agent = forward
     return app
 
 

@@ -125,8 +125,8 @@ def stages(doc: Mapping[str, Any], out: Path) -> Path | None:
         names = (*order, "total")
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            values = [stage(r, name, "p99") or np.nan for r in runs]  # a missing stage: no bar
-            ax.bar(x - 0.4 + (i + 0.5) * width, values, width, label=name,
+            p99s = [stage(r, name, "p99") or np.nan for r in runs]  # a missing stage: no bar
+            ax.bar(x - 0.4 + (i + 0.5) * width, p99s, width, label=name,
                    color="black" if name == "total" else cmap(i))  # fmt: skip
         ax.plot(x, [r["p99_ms"] for r in runs], "kD", ms=5, label="end to end")
         ax.set_yscale("log")
@@ -188,12 +188,13 @@ def sweep(doc: Mapping[str, Any], out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(max(7.0, 2.2 * len(windows) + 2), 1.3 * len(sizes) + 2.5))
     finite = p99[np.isfinite(p99)]
     # A fixed scale (10 ms .. 1 s at least), so colours mean the same from run to run.
-    norm = LogNorm(vmin=min(10.0, float(finite.min())), vmax=max(1000.0, float(finite.max())))
+    vmin, vmax = min(10.0, float(finite.min())), max(1000.0, float(finite.max()))
+    norm = LogNorm(vmin=vmin, vmax=vmax)
     im = ax.imshow(p99, cmap="viridis_r", norm=norm, aspect="auto")
     for i in range(len(sizes)):
         for j in range(len(windows)):
             ax.text(j, i, text[i][j], ha="center", va="center", fontsize=8,
-                    color="white" if np.isfinite(p99[i, j]) and p99[i, j] > np.sqrt(norm.vmin * norm.vmax) else "black")  # fmt: skip
+                    color="white" if np.isfinite(p99[i, j]) and p99[i, j] > np.sqrt(vmin * vmax) else "black")  # fmt: skip
     ax.set_xticks(range(len(windows)), [f"{w:g} ms" for w in windows])
     ax.set_yticks(range(len(sizes)), [str(s) for s in sizes])
     ax.set_xlabel("batch window (FRAUD_BATCH_WINDOW_S)")

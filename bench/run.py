@@ -274,7 +274,8 @@ def cpu_pct_between(timeline: Sequence[Mapping[str, Any]], key: str) -> float | 
     span = end["t"] - start["t"]
     if span <= 0:
         return None
-    return round(100.0 * (end[key] - start[key]) / span, 1)
+    share: float = round(100.0 * (end[key] - start[key]) / span, 1)
+    return share
 
 
 def _measured_entries(timeline: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -679,8 +680,8 @@ class Worker:
         self.variant = variant
         self.role = role
         self.tag = f"{variant.name}-{uuid.uuid4().hex[:8]}"
-        self.group_tag = join.group_tag if join else self.tag
-        self.topics = join.topics if join else {
+        self.group_tag: str = join.group_tag if join else self.tag
+        self.topics: dict[str, str] = join.topics if join else {
             name: f"bench-{short}-{self.tag}"
             for name, short in (
                 ("transactions", "tx"), ("decisions", "dec"), ("dlq", "dlq"),
@@ -859,7 +860,9 @@ def settings_from_env(env: Mapping[str, str]) -> Any:
 
     fields = Settings.model_fields
     values = {key[len("FRAUD_") :].lower(): v for key, v in env.items() if key.startswith("FRAUD_")}
-    return Settings(**{name: v for name, v in values.items() if name in fields})
+    # Any: strings from the environment, which Settings parses into each field's type.
+    known: dict[str, Any] = {name: v for name, v in values.items() if name in fields}
+    return Settings(**known)
 
 
 @contextmanager
@@ -1028,14 +1031,15 @@ class Bench:
             for threshold, steps in zip(THRESHOLDS_MS, plan.search_steps):
                 for _ in range(steps):
                     outcomes = verdicts(mine, threshold)
-                    rate = next_probe(
+                    probe = next_probe(
                         outcomes,
                         floor=plan.search_floor_tps,
                         cap=plan.search_cap_tps,
                         saturated_tps=saturated_tps(mine, threshold),
                     )
-                    if rate is None:
+                    if probe is None:
                         break
+                    rate = probe
                     cost = plan.search.load_s + plan.search.drain_s + (0 if worker else self._start_s)
                     # The searches give the acceptance figures (max sustainable
                     # rates, ratios): they go before the sweep, which gets the rest.

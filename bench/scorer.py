@@ -3,7 +3,7 @@ registered model, no Kafka. Prints wall time per batch and CPU per transaction,
 per stage, for batch sizes 1 / 8 / 32 (``python -m bench.scorer``), and what
 Redis spent per transaction: its CPU, and each command's time (INFO commandstats).
 
-Built as the worker builds it (agents/score.py): signed messages, admission
+Built as the worker builds it (agents/wiring.py): signed messages, admission
 with the replay guard and the settings' rate limits, the local-first decision
 cache. ``--lookup combined separate`` compares the batch's one Redis call
 (pipeline/redis_batch.py) with the separate calls, batch by batch in turn.

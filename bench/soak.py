@@ -495,7 +495,8 @@ def per_minute(
 def _ms_per(a: Mapping[str, Any], b: Mapping[str, Any], key: str, n: int) -> float | None:
     if a.get(key) is None or b.get(key) is None or n <= 0:
         return None
-    return round(1000 * (b[key] - a[key]) / n, 3)
+    ms: float = round(1000 * (b[key] - a[key]) / n, 3)
+    return ms
 
 
 def _mean(values: Sequence[float | None], digits: int = 3) -> float | None:

@@ -34,10 +34,11 @@ VARIANTS = ("offsets", "deliver_first", "no_offsets")
 
 def _clients(bootstrap: str, backoff_ms: int) -> tuple[Any, Any, str]:
     from confluent_kafka import Consumer, Producer
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic  # where it is defined: confluent_kafka.admin does not export it
 
     tag = f"txn-bench-{uuid.uuid4().hex[:8]}"
-    base: dict[str, object] = {"bootstrap.servers": bootstrap, "socket.nagle.disable": True, "log_level": 3}
+    base: dict[str, str | int | float | bool] = {"bootstrap.servers": bootstrap, "socket.nagle.disable": True, "log_level": 3}
     admin = AdminClient(base)  # kept until the topics exist: a destroyed client fails its futures
     for f in admin.create_topics([NewTopic(f"{tag}-in", 8, 1), NewTopic(f"{tag}-out", 8, 1)]).values():
         f.result()

@@ -453,8 +453,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             FRAUD_GATEWAY_TIMEOUT_S=str(GATEWAY_TIMEOUT_S), FRAUD_PARTITIONS="4", **NO_LIMITS, **topics,
             **decision_key_env(secrets.token_hex(32)),
         )  # fmt: skip
-        settings = Settings(kafka_bootstrap=svc.bootstrap, partitions=4,
-                            **{k[len("FRAUD_"):].lower(): v for k, v in topics.items()})  # fmt: skip
+        names: dict[str, Any] = {k[len("FRAUD_"):].lower(): v for k, v in topics.items()}  # fmt: skip
+        settings = Settings(kafka_bootstrap=svc.bootstrap, partitions=4, **names)
         asyncio.run(ensure_topics(settings, wait_s=30.0))
         port, grpc_port, backend_web = _free_ports(3)
         if args.backend == "echo":

@@ -82,9 +82,13 @@ class GatewayParts(Protocol):
     """What the core needs of :class:`gateway.rest.Gateway` (typed here: the core cannot import it back)."""
 
     settings: Settings
-    signer: Signs
     producer: Any
     replies: Replies | None
+
+    # NOTE: read-only, so the gateway's own Signer satisfies it (a settable
+    # protocol attribute would have to be declared as exactly ``Signs``).
+    @property
+    def signer(self) -> Signs: ...
 
     @property
     def limits(self) -> Limits: ...

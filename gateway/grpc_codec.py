@@ -42,7 +42,8 @@ def transaction_message(doc: dict[str, Any]) -> fraud_pb2.Transaction:
 
 def action_of(name: str) -> int:
     """``"approve"`` → ``ACTION_APPROVE``."""
-    return fraud_pb2.Action.Value(_ACTION_PREFIX + name.upper())
+    value: int = fraud_pb2.Action.Value(_ACTION_PREFIX + name.upper())  # protobuf ships no types here
+    return value
 
 
 def decision_message(record: dict[str, Any]) -> fraud_pb2.Decision:

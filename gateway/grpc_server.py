@@ -205,8 +205,13 @@ class FraudScoring(fraud_pb2_grpc.FraudScoringServicer):
                 await asyncio.gather(*list(in_flight))
             answers.put_nowait(None)
 
+        def end_if_failed(task: asyncio.Task[None]) -> None:
+            # A read that failed ends the answers: the await below then re-raises its error.
+            if not task.cancelled() and task.exception() is not None:
+                answers.put_nowait(None)
+
         reader = asyncio.create_task(read())
-        reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or answers.put_nowait(None))
+        reader.add_done_callback(end_if_failed)
         try:
             while (reply := await answers.get()) is not None:
                 yield reply

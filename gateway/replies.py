@@ -215,7 +215,10 @@ class Replies(TopicReader):
             correlation, kind = doc.get("correlation_id"), "decision"
         else:
             correlation, kind = correlation_of_dead_letter(doc), "dead_letter"
-        future = self._pending.get(correlation) if isinstance(correlation, str) else None
+        if not isinstance(correlation, str):
+            self.unmatched += 1
+            return False
+        future = self._pending.get(correlation)
         if future is None or future.done():
             if future is not None:
                 del self._pending[correlation]

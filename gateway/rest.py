@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from aiokafka import AIOKafkaProducer
+from pydantic import SecretStr
 
 from app import redis_client
 from app.errors import ConfigError
@@ -188,12 +189,11 @@ class Gateway:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Gateway:
-        secret = lambda s: s.get_secret_value() if s else None  # noqa: E731
-        api = ApiKeys.load(settings.gateway_keys_file, secret(settings.gateway_keys), "FRAUD_GATEWAY_KEYS")
+        api = ApiKeys.load(settings.gateway_keys_file, _secret(settings.gateway_keys), "FRAUD_GATEWAY_KEYS")
         analysts = ApiKeys.load(
-            settings.gateway_analyst_keys_file, secret(settings.gateway_analyst_keys), "FRAUD_GATEWAY_ANALYST_KEYS"
+            settings.gateway_analyst_keys_file, _secret(settings.gateway_analyst_keys), "FRAUD_GATEWAY_ANALYST_KEYS"
         )
-        producers = ClientKeys.load(settings.client_keys_file, secret(settings.client_keys))
+        producers = ClientKeys.load(settings.client_keys_file, _secret(settings.client_keys))
         key = producers.get(settings.gateway_client_id)
         if key is None and not settings.allow_unsigned:
             raise ConfigError(
@@ -254,7 +254,8 @@ class Gateway:
             max_connections=GATEWAY_REDIS_CONNECTIONS,
         )  # fmt: skip
         self.limiter = RedisRateLimiter(
-            self.redis, s.gateway_rate_per_s, s.gateway_burst, s.rate_user_per_s, s.rate_user_burst
+            self.redis, s.gateway_rate_per_s, s.gateway_burst, s.rate_user_per_s, s.rate_user_burst,
+            cluster=redis_client.is_cluster(s),
         )
 
     async def stop(self) -> None:
@@ -283,6 +284,10 @@ class Gateway:
         except Exception as exc:
             log.warning("rate limiter unavailable (%r): admitting the request", exc)
             return None
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value else None
 
 
 def _gateway(request: web.Request) -> Gateway:

@@ -91,7 +91,8 @@ class ReviewQueue:
 
     def listing(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Newest decision first, each with ``label`` (None until labelled)."""
-        return self.page(limit)["items"]
+        items: list[dict[str, Any]] = self.page(limit)["items"]
+        return items
 
     def page(
         self,

@@ -67,7 +67,6 @@ from typing import Any, Protocol
 import orjson
 
 from app.errors import ConfigError
-from app.redis_client import is_cluster_client
 from app.redis_keys import signature_key
 from pipeline.feature_store import TTLCache
 from pipeline.validate import Rejection
@@ -347,10 +346,12 @@ class RedisReplayGuard:
     NOTE: uses ``SET NX GET``, which needs Redis >= 7.0.
     """
 
-    def __init__(self, client: Any) -> None:
-        """``client`` is a ``redis.asyncio.Redis`` (the worker's shared pool)."""
+    def __init__(self, client: Any, *, cluster: bool = False) -> None:
+        """``client`` is a ``redis.asyncio.Redis`` (the worker's shared pool), or
+        a ``RedisCluster`` when ``cluster`` (decided once from settings by whoever
+        builds the client: app.redis_client.is_cluster)."""
         self._client = client
-        self._cluster = is_cluster_client(client)
+        self._cluster = cluster
         self._check_many = client.register_script(REPLAY_CHECK_SCRIPT)
 
     async def check(self, items: Sequence[tuple[str, str]], ttl_s: int) -> list[bool]:

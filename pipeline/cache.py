@@ -30,13 +30,13 @@ from typing import Any, Protocol
 import orjson
 
 from app.contract import Transaction
-from app.redis_client import is_cluster_client
 from app.redis_keys import decision_keys
 from pipeline.feature_store import TTLCache
 
 __all__ = [
     "UNCHECKED",
     "DecisionCache",
+    "HoldingCache",
     "InMemoryDecisionCache",
     "LocalFirstCache",
     "RedisDecisionCache",
@@ -65,6 +65,21 @@ class DecisionCache(Protocol):
         ...
 
 
+class HoldingCache(DecisionCache, Protocol):
+    """A worker's decision cache: besides lookups and stores, it holds the
+    decisions of a transaction still open, for a resend in a later batch of
+    it, and lets go of them if it aborts (:class:`LocalFirstCache`)."""
+
+    def hold(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
+        """Keep these decisions locally, not yet in the shared cache: they were
+        sent in a transaction not yet committed."""
+        ...
+
+    def release(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
+        """Forget held decisions whose transaction did not commit."""
+        ...
+
+
 #: Store a batch's decisions in one command: SET key value EX ttl NX for each
 #: KEYS[i], a decision's two keys (2j - 1, 2j) with its value ARGV[j + 1]
 #: (ARGV[1] is the TTL): each value packed and sent once. NOTE: one command instead of
@@ -80,10 +95,13 @@ return #KEYS
 
 
 class RedisDecisionCache:
-    def __init__(self, client: Any, ttl_s: int) -> None:
+    def __init__(self, client: Any, ttl_s: int, *, cluster: bool = False) -> None:
+        """``cluster``: ``client`` is a ``RedisCluster`` (decided once from
+        settings: app.redis_client.is_cluster), where one script may not span
+        slots, so a batch's decisions go in a pipeline."""
         self._client = client
         self.ttl_s = ttl_s
-        self._cluster = is_cluster_client(client)
+        self._cluster = cluster
         self._put_many = client.register_script(PUT_MANY_SCRIPT)
 
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:

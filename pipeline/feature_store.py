@@ -22,7 +22,6 @@ import numpy as np
 
 from app.contract import Transaction
 from app.errors import FeatureStoreError
-from app.redis_client import is_cluster_client
 from app.redis_keys import merchant_key, profile_key, velocity_key
 from pipeline.feature_defs import VELOCITY_MAX_EVENTS
 from pipeline.features import (
@@ -200,13 +199,15 @@ def _check_feature_set(raw: Mapping[Any, Any], key: str) -> None:
 class RedisFeatureStore:
     """Redis-backed store; one pipeline per batch over a pooled connection."""
 
-    def __init__(self, client: Any, *, local_cache_ttl_s: float = 30.0) -> None:
-        """``client`` is a ``redis.asyncio.Redis`` (its pool is shared with the decision cache)."""
+    def __init__(self, client: Any, *, local_cache_ttl_s: float = 30.0, cluster: bool = False) -> None:
+        """``client`` is a ``redis.asyncio.Redis`` (its pool is shared with the
+        decision cache), or a ``RedisCluster`` when ``cluster`` (decided once
+        from settings: app.redis_client.is_cluster)."""
         self._client = client
         self._profiles = TTLCache(local_cache_ttl_s)
         self._merchants = TTLCache(local_cache_ttl_s)
         self._velocity_sha: str | None = None
-        self._cluster = is_cluster_client(client)
+        self._cluster = cluster
         # EVALSHA, falling back to loading the script when Redis lost it (restart, SCRIPT FLUSH).
         self._batch_script = client.register_script(BATCH_ENRICH_SCRIPT)
 

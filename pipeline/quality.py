@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from app.redis_client import is_cluster_client
 from app.redis_keys import (
     QUALITY_PREFIX,
     quality_decided_key,
@@ -319,12 +318,14 @@ class RedisQualityStore:
     """
 
     def __init__(self, client: Any, *, ttl_s: int = 120 * 86400, max_joined: int = 200_000,
-                 prefix: str = QUALITY_PREFIX) -> None:  # fmt: skip
+                 prefix: str = QUALITY_PREFIX, cluster: bool = False) -> None:  # fmt: skip
+        """``cluster``: ``client`` is a ``RedisCluster`` (decided once from
+        settings: app.redis_client.is_cluster)."""
         self.client = client
         self.ttl_s = int(ttl_s)
         self.max_joined = max_joined
         self.prefix = prefix
-        self._cluster = is_cluster_client(client)
+        self._cluster = cluster
 
     async def _set_then_get(
         self, sets: list[tuple[str, bytes]], gets: list[str], *, nx: bool

@@ -40,7 +40,6 @@ from typing import Any, Literal, Protocol
 from redis.exceptions import NoScriptError
 
 from app.errors import ConfigError
-from app.redis_client import is_cluster_client
 from app.redis_keys import client_bucket_key, user_bucket_key
 from pipeline.validate import Rejection
 
@@ -215,14 +214,17 @@ class RedisRateLimiter:
         user_burst: float,
         *,
         clock: Callable[[], float] = time.time,
+        cluster: bool = False,
     ) -> None:
-        """``client`` is a ``redis.asyncio.Redis``. Redis errors propagate: the caller decides to fail open."""
+        """``client`` is a ``redis.asyncio.Redis``, or a ``RedisCluster`` when
+        ``cluster`` (decided once from settings: app.redis_client.is_cluster).
+        Redis errors propagate: the caller decides to fail open."""
         self._client = client
         self.client_limit = Limit(client_rate, client_burst)
         self.user_limit = Limit(user_rate, user_burst)
         self._clock = clock
         self._sha: str | None = None
-        self._cluster = is_cluster_client(client)
+        self._cluster = cluster
 
     def plan(self, requests: Sequence[tuple[str, str]]) -> tuple[BucketPlan, float]:
         """``requests`` laid out for the token-bucket function, and the time

@@ -309,7 +309,7 @@ async def broker_offsets(settings: Any, timeout_s: float = 10.0) -> dict[int, Pa
     """
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from agents.score import scoring_group
+    from agents.wiring import scoring_group
     from app.topics import kafka_auth, partitions_of
 
     topic = settings.topic_transactions

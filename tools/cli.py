@@ -277,13 +277,14 @@ def cmd_report(args: argparse.Namespace) -> int:
             ledger.add_label(label)
         report = quality_report(ledger.joined.values(), ledger.decided)
     else:
-        from app.redis_client import BATCH_TIMEOUT_S, async_client
+        from app.redis_client import BATCH_TIMEOUT_S, async_client, is_cluster
 
         async def snapshot() -> Any:
             # One server or a Redis Cluster, as the workers' (one-off: a batch job's timeout).
             client = async_client(settings, timeout_s=BATCH_TIMEOUT_S)
             try:
-                return await RedisQualityStore(client, prefix=quality_prefix(settings.app_id)).snapshot()
+                store = RedisQualityStore(client, prefix=quality_prefix(settings.app_id), cluster=is_cluster(settings))
+                return await store.snapshot()
             finally:
                 await client.aclose()
 
@@ -306,7 +307,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import faust
 
-    from agents.score import create_app
+    from agents.wiring import create_app
     from app.settings import Settings
     from app.topics import ensure_topics
 

@@ -84,7 +84,7 @@ def tally_repartition_topic(settings: Settings) -> str:
 
 def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
-    from agents.score import scoring_group  # NOTE: loads the worker (faust): only when the table is built
+    from agents.wiring import scoring_group  # NOTE: loads the worker (faust): only when the table is built
 
     s = settings
     scoring = scoring_group(s)

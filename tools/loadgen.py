@@ -278,7 +278,8 @@ class _LoadRun:
         while times[-1] < cfg.duration_s:
             more = rng.exponential(1.0 / cfg.rate, len(gaps))
             times = np.concatenate([times, times[-1] + np.cumsum(more)])
-        return times[times < cfg.duration_s]
+        within: np.ndarray = times[times < cfg.duration_s]
+        return within
 
     def build(self, epoch_s: float) -> _Send:
         """The next transaction, made and signed at epoch seconds ``epoch_s``
@@ -399,7 +400,7 @@ class _LoadRun:
 
     def collect(self, doc: dict[str, Any], now: float) -> None:
         tx_id = doc.get("transaction_id")
-        started = self.sent_at.pop(tx_id, None)
+        started = self.sent_at.pop(tx_id, None) if isinstance(tx_id, str) else None
         if started is None:
             return
         self.received.append(now)

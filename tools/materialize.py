@@ -12,7 +12,7 @@ transaction id): re-running is idempotent.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,7 +62,9 @@ def materialize(
     merchants = build_merchant_risk(history, as_of)
     recent = history[(history["ts"] >= as_of - DAY_S) & (history["ts"] < as_of)]
 
-    writes: list[tuple[str, dict[str, str]]] = [
+    # Fields typed Any: redis-py's hset declares its fields as a union of types,
+    # and a mapping's key type is invariant, so str fields alone would not fit.
+    writes: list[tuple[str, Mapping[Any, str]]] = [
         (profile_key(user), profile.to_mapping()) for user, profile in profiles.items()
     ]
     writes += [(merchant_key(m), risk.to_mapping()) for m, risk in merchants.items()]
@@ -74,15 +76,15 @@ def materialize(
             pipe.expire(key, ttl_s)
         pipe.execute()
         bar.update(len(chunk))
-    for chunk in _chunks(history_transactions(recent), CHUNK):
+    for txs in _chunks(history_transactions(recent), CHUNK):
         pipe = client.pipeline(transaction=False)
-        for tx in chunk:
+        for tx in txs:
             key = velocity_key(tx.user_id)
             # Same member format as the live path: live and seeded events dedupe.
             pipe.zadd(key, {velocity_member(tx): tx.timestamp})
             pipe.expire(key, int(VELOCITY_RETENTION_S))
         pipe.execute()
-        bar.update(len(chunk))
+        bar.update(len(txs))
     bar.close()
     client.hset(
         MATERIALIZE_META_KEY,

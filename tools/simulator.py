@@ -217,7 +217,8 @@ def _rng(seed: int, salt: int) -> np.random.Generator:
 
 
 def _key(seed: int, salt: int) -> np.uint64:
-    return np.random.SeedSequence([seed, salt]).generate_state(1, np.uint64)[0]
+    key: np.uint64 = np.random.SeedSequence([seed, salt]).generate_state(1, np.uint64)[0]
+    return key
 
 
 def _mix64(counter: npt.NDArray[np.uint64], key: np.uint64) -> npt.NDArray[np.uint64]:
@@ -452,7 +453,8 @@ def _takeover_merchants(pop: Population, user: int, n: int, rng: np.random.Gener
     dy = pop.merchant_y[far] - pop.merchant_y[anchor]
     d2 = dx**2 + dy**2
     city = far[d2 <= TERMINAL_RADIUS**2]  # holds the anchor at least
-    return city[rng.integers(len(city), size=n)]
+    picked: IntArray = city[rng.integers(len(city), size=n)]
+    return picked
 
 
 def _account_takeovers(

@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from agents.score import scoring_group
+from agents.wiring import scoring_group
 from app.settings import Settings
 from app.topics import ensure_topics
 from tools.autoscale import broker_offsets

@@ -61,7 +61,7 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
     worker_env,
 )
 
-from agents.score import scoring_group
+from agents.wiring import scoring_group
 from app.settings import Settings
 from app.topics import kafka_auth
 from pipeline.auth import sign

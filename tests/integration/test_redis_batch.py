@@ -154,7 +154,7 @@ batches = st.lists(st.tuples(st.lists(steps, min_size=1, max_size=9), st.sampled
 
 
 def build(client: Any, clock: Clock, one_call: bool, wait_s: float = 0.05) -> Scorer:
-    """A scorer as the worker builds it (agents/score.py), with the one call or without."""
+    """A scorer as the worker builds it (agents/wiring.py), with the one call or without."""
     store = RedisFeatureStore(client, local_cache_ttl_s=30)
     cache = LocalFirstCache(RedisDecisionCache(client, 3600), wait_s=wait_s, retry_every_s=0.01)
     admission = Admission(

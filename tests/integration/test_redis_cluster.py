@@ -25,8 +25,8 @@ import pytest
 import redis
 
 from agents.feedback import quality_store
-from agents.score import Runtime
-from app.redis_client import async_client, sync_client
+from agents.wiring import Runtime
+from app.redis_client import async_client, is_cluster, sync_client
 from app.redis_keys import MATERIALIZE_META_KEY, client_bucket_key, gateway_bucket_ids, profile_key, user_bucket_key
 from app.settings import Settings, get_settings
 from gateway.rest import ApiKeys, Gateway, Signer
@@ -147,9 +147,10 @@ def test_enrichment_on_a_cluster_equals_one_server(
     txs = _txs(sim_frame, 64, "t-cl-enrich")
 
     async def enrich(url: str) -> list[Any]:
-        client = async_client(Settings(redis_url=url, redis_timeout_s=2.0))
+        settings = Settings(redis_url=url, redis_timeout_s=2.0)
+        client = async_client(settings)
         try:
-            return await RedisFeatureStore(client, local_cache_ttl_s=0).enrich(txs)
+            return await RedisFeatureStore(client, local_cache_ttl_s=0, cluster=is_cluster(settings)).enrich(txs)
         finally:
             await client.aclose()
 
@@ -165,7 +166,7 @@ def test_cache_replay_guard_and_limiter_across_slots(cluster_url: str, sim_frame
     async def go() -> None:
         client = async_client(Settings(redis_url=cluster_url, redis_timeout_s=2.0))
         try:
-            cache = RedisDecisionCache(client, 60)
+            cache = RedisDecisionCache(client, 60, cluster=True)
             assert await cache.get_many(txs) == [None] * len(txs)
             await cache.put_many(
                 [(tx, orjson.dumps({"transaction_id": tx.transaction_id, "action": "approve"})) for tx in txs]
@@ -173,7 +174,7 @@ def test_cache_replay_guard_and_limiter_across_slots(cluster_url: str, sim_frame
             hits = await cache.get_many(txs)  # one MGET per slot
             assert [h["transaction_id"] for h in hits] == [tx.transaction_id for tx in txs]
 
-            guard = RedisReplayGuard(client)
+            guard = RedisReplayGuard(client, cluster=True)
             items = [(f"sig-{i}", f"0:{i}") for i in range(30)]
             assert await guard.check(items, 60) == [True] * 30
             assert await guard.check([("sig-3", "0:3"), ("sig-4", "1:99")], 60) == [True, False]
@@ -181,16 +182,16 @@ def test_cache_replay_guard_and_limiter_across_slots(cluster_url: str, sim_frame
             # Same answers as the in-memory twin while no client bucket refuses ...
             users = [(f"pos-{i % 2}", f"u-cl-{i % 9}") for i in range(60)]
             clock = lambda: 1_900_000_000.0  # noqa: E731
-            on_cluster = RedisRateLimiter(client, 1000, 1000, 1, 3, clock=clock)
+            on_cluster = RedisRateLimiter(client, 1000, 1000, 1, 3, clock=clock, cluster=True)
             twin = InMemoryRateLimiter(1000, 1000, 1, 3, clock=clock)
             assert await on_cluster.allow(users) == await twin.allow(users)
             # ... and a client bucket still refuses, with its wait.
-            tight = RedisRateLimiter(client, 1, 2, 100, 100, clock=clock)
+            tight = RedisRateLimiter(client, 1, 2, 100, 100, clock=clock, cluster=True)
             got = await tight.allow([("pos-tight", f"u-t-{i}") for i in range(4)])
             assert [d.allowed for d in got] == [True, True, False, False]
             assert {d.bucket for d in got[2:]} == {"client"} and got[2].retry_after_s == pytest.approx(1.0)
             # A user over their limit spends none of their client's tokens.
-            one = RedisRateLimiter(client, 1, 2, 1, 1, clock=clock)
+            one = RedisRateLimiter(client, 1, 2, 1, 1, clock=clock, cluster=True)
             got = await one.allow([("pos-one", "u-a"), ("pos-one", "u-a"), ("pos-one", "u-b"), ("pos-one", "u-c")])
             expected = [(True, None), (False, "user"), (True, None), (False, "client")]
             assert [(d.allowed, d.bucket) for d in got] == expected
@@ -209,7 +210,7 @@ def test_a_batch_of_many_users_stays_within_the_pool_on_a_cluster(cluster_url: s
         client = async_client(Settings(redis_url=cluster_url, redis_timeout_s=2.0, redis_pool_size=2))
         try:
             clock = lambda: 1_900_000_000.0  # noqa: E731
-            limiter = RedisRateLimiter(client, 1e6, 1e6, 1, 1, clock=clock)
+            limiter = RedisRateLimiter(client, 1e6, 1e6, 1, 1, clock=clock, cluster=True)
             users = [("pos-many", f"u-many-{i}") for i in range(200)]
             assert all(d.allowed for d in await limiter.allow(users))
             # Each user's single token is spent: the same batch again is refused, user by user.
@@ -237,7 +238,9 @@ def test_scorer_built_for_a_cluster_url(
     docs = [make() for _ in range(48)]
 
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        scorer = runtime.build_scorer()
+        assert runtime.cluster  # decided from the URL, once, for every part
+        client = runtime.redis()
+        scorer = runtime.build_scorer(client, runtime.decision_cache(client))
         assert scorer.lookup is None  # a script may not span slots: the separate calls
         now = time.time()
         batch = [Inbound(orjson.dumps(d), {}, now, 0, i) for i, d in enumerate(docs)]

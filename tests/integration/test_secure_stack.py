@@ -23,7 +23,7 @@ import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
 
-from agents.score import scoring_group
+from agents.wiring import scoring_group
 from app.settings import Settings
 from app.topics import kafka_auth
 from tests.integration.workers import commit_offset, produce_one

@@ -112,7 +112,7 @@ def test_bad_key_material_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_the_worker_refuses_to_start_without_a_key_unless_development() -> None:
-    from agents.score import load_decision_signer
+    from agents.wiring import load_decision_signer
 
     with pytest.raises(ConfigError, match="FRAUD_DECISION_SIGNING_KEY_FILE"):
         load_decision_signer(Settings(allow_unsigned=False))

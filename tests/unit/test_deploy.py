@@ -257,7 +257,7 @@ def test_keda_matches_the_settings(compose: dict[str, Any]) -> None:
     assert spec["minReplicaCount"] >= 1
     [kafka] = [t for t in spec["triggers"] if t["type"] == "kafka"]
     meta = kafka["metadata"]
-    # The scoring workers' group (agents/score.py), whose lag is what they have not decided.
+    # The scoring workers' group (agents/wiring.py), whose lag is what they have not decided.
     assert meta["consumerGroup"] == f"{settings.app_id}-score" and meta["topic"] == settings.topic_transactions
     assert meta["allowIdleConsumers"] == "false" and int(meta["lagThreshold"]) > 0
     assert meta["bootstrapServers"] == compose["services"]["worker"]["environment"]["KAFKA_BOOTSTRAP"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.score import scoring_group
+from agents.wiring import scoring_group
 from app.settings import Settings
 from tools import kafka_acls, kafka_secure
 from tools.kafka_acls import ROLES, acl_table, acls, kafka_acls_commands

@@ -128,10 +128,12 @@ class Worker:
             load=lambda _registry, version: models[version],
         )  # fmt: skip
         self.metrics = WorkerMetrics(settings)
-        # as agents.score.exactly_once wires them
+        # as agents.wiring.exactly_once wires them
         self.stream.on_result = lambda result: self.metrics.transactions.labels(result).inc()
         self.metrics.offsets = self.stream.offsets
-        self.loop = ScoringLoop(self.stream, self.scorer, self.reloader, self.metrics, OUTPUTS, None, settings)
+        self.loop = ScoringLoop(
+            self.stream, self.scorer, self.reloader, self.metrics, OUTPUTS, None, settings, cache=self.cache
+        )
 
     async def start(self) -> None:
         await self.stream.start()
