@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCKS", "DOCS", "GOALS", "Goal", "render", "replace_blocks", "update_docs"]
+__all__ = ["BLOCKS", "DOCS", "GOALS", "SIZING_TPS", "STAGES", "Goal", "render", "replace_blocks", "update_docs"]
 
 REPO = Path(__file__).resolve().parents[1]
 LATEST = REPO / "bench" / "results" / "latest.json"
@@ -208,6 +208,7 @@ def render_summary(doc: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {variant} | {_tps(row['offered_tps'])}{mark} | {_tps(row['achieved_tps'])} | {latency} | {cpu} |"
             )
+    lines += _stages(doc)
     sweep = [r for r in doc["runs"] if r.get("phase") == "sweep"]
     if sweep:
         lines += [
@@ -227,10 +228,78 @@ def render_summary(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: A decision's own stages (its ``latency_ms``), in the order it meets them.
+STAGES = ("queue_wait", "validate", "cache", "features", "model", "rules", "total")
+
+
+def _stages(doc: Mapping[str, Any]) -> list[str]:
+    """The batched pipeline's stage latencies at each main rate it kept up with."""
+    runs = [r for r in doc["runs"] if r["variant"] == "batched" and r.get("phase") == "rate" and r.get("stages")]
+    runs = [r for r in runs if r["p99_ms"] is not None and r["p99_ms"] < 200.0]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Where a batched decision's time went (its `latency_ms`: `queue_wait` is sent to taken; "
+        "the rest of the latency above is the transaction's commit and the `read_committed` fetch back), "
+        "p50 / p99 ms:",
+        "",
+        "| offered TPS | " + " | ".join(STAGES) + " |",
+        "|---" * (len(STAGES) + 1) + "|",
+    ]
+    for run in runs:
+        stages = run["stages"]
+        cells = [f"{stages[s]['p50']:.1f} / {stages[s]['p99']:.1f}" if s in stages else "-" for s in STAGES]
+        lines.append(f"| {_tps(run['offered_tps'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+#: The rate docs/performance.md sizes a deployment for.
+SIZING_TPS = 5000.0
+
+
+def render_sizing(doc: Mapping[str, Any]) -> str:
+    """performance.md's sizing for :data:`SIZING_TPS`, scaled linearly from the batched runs at 1,000-2,000 TPS."""
+    rows = [
+        r for r in doc.get("cpu_ms_per_decision_by_rate", {}).get("batched", [])
+        if 1000.0 <= r["offered_tps"] <= 2000.0 and r["passes"]
+    ]  # fmt: skip
+    lo, _, _ = _knee(doc, "batched")
+    if not rows or lo is None:
+        return "The last run measured no batched rate between 1,000 and 2,000 TPS: nothing to scale from.\n"
+
+    def spread(key: str) -> tuple[float, float]:
+        values = [float(r[key]) for r in rows if r.get(key) is not None]
+        return min(values), max(values)
+
+    def span(values: tuple[float, float], scale: float = 1.0, fmt: Callable[[float], str] = _cpu) -> str:
+        low, high = (fmt(v * scale) for v in values)
+        return low if low == high else f"{low}-{high}"
+
+    top = rows[-1]
+    workers = -(-SIZING_TPS // min(lo, 2000.0)) + 1  # at the peak, plus one for a lost worker's partitions
+    broker, redis = spread("broker"), spread("redis")
+    return (
+        f"- **Workers**: one worker carried {_tps(top['offered_tps'])} TPS at p99 {_ms(top['p99_ms'])} ms "
+        f"({_cpu(top['worker'])} ms of CPU per decision, {top['worker'] * top['achieved_tps'] / 10.0:.0f} % of a "
+        f"core) and kept p99 < 200 ms up to {_tps(lo)}; planned at no more than 2,000 each, plus one for a lost "
+        f"worker's partitions: **{workers:.0f} workers** with a core each, and at least as many partitions of "
+        "`transactions` (partitions cannot shrink, and adding them moves users).\n"
+        f"- **Broker**: {span(broker)} ms per decision on one KRaft node with replication "
+        f"factor 1 → {span(broker, SIZING_TPS / 1000, lambda v: f'{v:.1f}')} cores at "
+        f"{_tps(SIZING_TPS)} TPS before replication; with replication factor 3 every write is also fetched and "
+        "written by two followers (deploy/README.md sizes the cluster from this).\n"
+        f"- **Redis**: {span(redis)} ms per decision → "
+        f"{redis[1] * SIZING_TPS / 10:.0f} % of one Redis's single thread at {_tps(SIZING_TPS)} TPS; a Redis "
+        "Cluster past ~60 %.\n"
+    )
+
+
 #: Block name -> its renderer.
 BLOCKS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "headline": render_headline,
     "summary": render_summary,
+    "sizing": render_sizing,
 }
 
 
