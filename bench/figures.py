@@ -219,11 +219,11 @@ def render_summary(doc: Mapping[str, Any]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for run in sweep:
-            cpu = (run.get("cpu_ms_per_decision") or {}).get("worker")
+            worker_ms = (run.get("cpu_ms_per_decision") or {}).get("worker")
             lines.append(
                 f"| {run['batch_size']} / {run['batch_window_ms']:g} ms | {_tps(run['offered_tps'])} | "
                 f"{_tps(run['achieved_tps'])} | {_ms(run['p50_ms'])} / {_ms(run['p99_ms'])} | {run['degraded']} | "
-                f"{_cpu(cpu)} |"
+                f"{_cpu(worker_ms)} |"
             )
     return "\n".join(lines) + "\n"
 
