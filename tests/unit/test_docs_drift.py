@@ -223,7 +223,7 @@ def test_every_module_path_the_docs_name_exists() -> None:
     for path in DOCS:
         text = path.read_text()
         for match in _PATH.finditer(text):
-            if text[match.end() : match.end() + 1] == "<":  # a pattern (`training-<rows>.json`), not a path
+            if "<" in re.split(r"[\s`)]", text[match.end() :], maxsplit=1)[0]:  # a pattern: `training-<rows>.json`
                 continue
             token = match.group(1).rstrip(".")
             if not token.startswith(_RUNTIME) and not (REPO / token).exists():
