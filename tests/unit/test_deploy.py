@@ -241,9 +241,10 @@ def test_recording_rules_use_metrics_the_worker_exports() -> None:
     records = set()
     for group in rules["groups"]:
         for rule in group["rules"]:
-            records.add(rule["record"])
+            if "record" in rule:
+                records.add(rule["record"])
             for name in re.findall(r"\bfraud(?::[a-z_]+)+|\bfraud_[a-z_]+", rule["expr"]):
-                assert name in exported or name in records, f"{rule['record']} uses {name}, which nothing defines"
+                assert name in exported or name in records, f"{rule.get('record', rule.get('alert'))} uses {name}, which nothing defines"
     assert "fraud:desired_workers" in records
 
 
@@ -317,11 +318,13 @@ def test_prometheus_loads_the_rules_file() -> None:
 
 @needs_promtool
 def test_every_rule_gives_what_its_test_expects_on_known_series() -> None:
-    """deploy/prometheus-rules.test.yml evaluates each recording rule on two
-    workers' series; a rule no test evaluates fails here too."""
+    """deploy/prometheus-rules.test.yml evaluates each recording rule on known
+    series and each alert before and after its `for:`; a rule no test
+    evaluates fails here too."""
     assert PROMTOOL is not None
     tests = yaml.safe_load((DEPLOY / "prometheus-rules.test.yml").read_text())
-    tested = {case["expr"] for test in tests["tests"] for case in test["promql_expr_test"]}
+    tested = {case["expr"] for test in tests["tests"] for case in test.get("promql_expr_test", [])}
+    tested |= {case["alertname"] for test in tests["tests"] for case in test.get("alert_rule_test", [])}
     rules = yaml.safe_load((DEPLOY / "prometheus-rules.yml").read_text())
     names = {rule.get("record") or rule.get("alert") for group in rules["groups"] for rule in group["rules"]}
     assert names <= tested, f"rules no promtool test evaluates: {sorted(names - tested)}"
