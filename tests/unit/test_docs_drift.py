@@ -68,6 +68,17 @@ def test_a_bench_block_renders_the_run_it_is_given() -> None:
         figures.replace_blocks("<!-- bench:nosuch -->\nx\n<!-- /bench:nosuch -->", figures.render(doc))
 
 
+def test_a_bench_run_rewrites_the_blocks_of_the_documents_once(tmp_path: Path) -> None:
+    """What `bench.run` calls after writing latest.json: the blocks change, the prose around them does not."""
+    doc = json.loads(figures.LATEST.read_text())
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n<!-- bench:headline -->\nstale\n<!-- /bench:headline -->\n\nProse.\n")
+    assert figures.update_docs(doc, [page]) == [page]
+    text = page.read_text()
+    assert "stale" not in text and figures.render(doc)["headline"] in text and text.endswith("\n\nProse.\n")
+    assert figures.update_docs(doc, [page]) == []  # already current: nothing rewritten
+
+
 #: A claim about what the pipeline sustains or where it saturates, with a number.
 _THROUGHPUT_CLAIM = re.compile(r"\b(sustain\w*|saturat\w*)\b[^.|]{0,60}?\d[\d,]* ?(TPS|decisions/s)", re.I)
 
