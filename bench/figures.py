@@ -22,7 +22,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCKS", "DOCS", "GOALS", "SIZING_TPS", "STAGES", "Goal", "render", "replace_blocks", "update_docs"]
+__all__ = [
+    "BLOCKS",
+    "DOCS",
+    "GOALS",
+    "LOOP_SETTINGS",
+    "SIZING_TPS",
+    "STAGES",
+    "Goal",
+    "render",
+    "replace_blocks",
+    "update_docs",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 LATEST = REPO / "bench" / "results" / "latest.json"
@@ -161,12 +172,38 @@ def _verdict(met: bool | None) -> str:
     return {True: "met", False: "**not met**", None: "-"}[met]
 
 
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+#: The scoring loop's settings a run records, as the docs name them (those a run's code had).
+LOOP_SETTINGS = ("commit_interval_s", "commit_caught_up", "quiet_below_tps", "quiet_window_s", "fetch_min_bytes")
+
+
+def _loop_settings(doc: Mapping[str, Any]) -> list[str]:
+    """The batched variant's batch shape and the loop's settings in that run."""
+    batched = next((r for r in doc["runs"] if r["variant"] == "batched"), None)
+    shape = (
+        [f"`FRAUD_BATCH_SIZE` {batched['batch_size']}", f"`FRAUD_BATCH_WINDOW_S` {batched['batch_window_ms'] / 1000:g}"]
+        if batched
+        else []
+    )
+    recorded = doc.get("settings", {})
+    named = [f"`FRAUD_{key.upper()}` {_value(recorded[key])}" for key in LOOP_SETTINGS if key in recorded]
+    if not shape and not named:
+        return []
+    return ["The batched pipeline's loop in that run: " + ", ".join(shape + named) + ".", ""]
+
+
 def render_summary(doc: Mapping[str, Any]) -> str:
     """performance.md's tables: each variant's knee, the goals, every rate, the batch sweep."""
     lines = [
         f"`make bench` on {_when(doc)}{' (`QUICK=1`)' if doc.get('quick') else ''}, {doc['duration_s']:,.0f} s, "
         f"on {_machine(doc)}; `bench/results/latest.json`.",
         "",
+        *_loop_settings(doc),
         "| variant | what | max TPS with p99 < 200 ms | p50 / p99 there (ms) | most decided/s in any run |",
         "|---|---|---|---|---|",
     ]
