@@ -14,9 +14,9 @@ DEMO_DURATION ?= 20
 SECURE ?= 1
 SOAK_MINUTES ?= 30
 SOAK_RATE ?= 500
-# The pass-through by default: the scoring pipeline with its per-partition
-# transactions saturates below 500 TPS on 2 cores (docs/performance.md);
-# SOAK_VARIANT=batched SOAK_RATE=250 soaks the full pipeline.
+# The faust pass-through by default (bench/passthrough.py: the transport and
+# broker alone, no scoring); SOAK_VARIANT=batched soaks the full pipeline
+# (what one worker sustains: docs/performance.md).
 SOAK_VARIANT ?= ceiling
 # SOAK_BROKERS=3: the soak on the replicated stack instead (tools/cluster.py):
 # the batched pipeline at SOAK_CLUSTER_RATE with SOAK_WORKERS scoring workers, a
@@ -31,9 +31,6 @@ SOAK_WARMUP ?= 5
 # 3 KRaft controllers and a Redis primary with 2 replicas and 3 Sentinels (tools/cluster.py).
 BROKERS ?= 1
 
-# What only the tests need (the demo does not): docker-compose validates
-# docker-compose.yml, kcat runs the README's plain-client example, Chromium
-# drives the review page's browser test.
 .PHONY: setup test-tools lint check demo test test-cluster soak stack-up stack-down stack-status simulate train materialize clean
 
 KAFKA_LIB := .kafka/lib
@@ -64,6 +61,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# What only the tests need (the demo does not): docker-compose validates
+# docker-compose.yml, kcat runs the README's plain-client example, promtool
+# (Debian's prometheus package) checks and unit-tests deploy/prometheus-rules.yml,
+# Chromium drives the review page's browser test.
 test-tools:
 	@command -v docker-compose >/dev/null || { echo "installing docker-compose (apt; validates docker-compose.yml in the tests)"; \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1 \
@@ -71,6 +72,9 @@ test-tools:
 	@command -v kcat >/dev/null || { echo "installing kcat (apt; runs the README's plain Kafka client example)"; \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends kcat) >/dev/null 2>&1 \
 	  || echo "kcat not installed: the README's kcat example test will be skipped"; }
+	@command -v promtool >/dev/null || { echo "installing prometheus (apt; its promtool checks deploy/prometheus-rules.yml)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+	  || echo "promtool not installed: the alerting rules' promtool tests will be skipped"; }
 	@{ command -v chromium && command -v chromedriver; } >/dev/null || { echo "installing chromium + chromium-driver (apt, for the review page's browser test)"; \
 	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 	  || { echo "need chromium and chromedriver on PATH (Debian: apt-get install chromium chromium-driver)"; exit 1; }; }

@@ -3,8 +3,9 @@
 A GlobalTable: every worker holds all of it, since any worker may score any
 merchant. The ``labels`` agent re-keys labels by merchant, so one merchant's
 labels are counted by one partition (a GlobalTable written from two partitions
-would race). Reads are fine inside the scoring agent's ``take``; writes need a
-current event, so they happen here.
+would race). The scoring loop reads it while it scores a batch (through the
+lookup :func:`install_merchant_tally` returns, on the event loop); writes
+need a current faust event, so they happen here, in the ``labels`` agent.
 """
 
 from __future__ import annotations

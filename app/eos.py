@@ -50,7 +50,9 @@ log = logging.getLogger(__name__)
 #: How long the broker lets a transaction stay open before aborting it itself:
 #: a worker that stopped answering (SIGSTOP, a long pause) holds back
 #: ``read_committed`` readers of its partitions at most this long when nobody
-#: fences it sooner. A transaction is open for one batch's sends and commit.
+#: fences it sooner. A transaction is open for its batches (one until the worker
+#: has caught up, at most a commit interval's under a backlog: agents/pace.py)
+#: and its commit.
 TRANSACTION_TIMEOUT_MS = 10_000
 
 #: Bound on one blocking transactional call (commit, abort, offsets); past it

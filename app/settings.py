@@ -169,7 +169,10 @@ class Settings(BaseSettings):
 
     # --- faust app ---------------------------------------------------------
     app_id: str = "fraud-pipeline"
-    """Faust app id: also the Kafka consumer group id."""
+    """Faust app id, and faust's consumer group (the merchant tally reads ``labels``
+    in it). The scoring workers consume ``transactions`` in group
+    ``<app_id>-score``, the feedback workers in ``<app_id>-feedback``; the
+    transactional ids start with ``<app_id>-score-``."""
 
     worker_role: Literal["all", "score", "feedback"] = "all"
     """What ``fraud-pipeline worker`` runs. ``all``: scoring and the feedback
@@ -233,10 +236,10 @@ class Settings(BaseSettings):
     """Each worker on one machine needs its own port."""
 
     gil_switch_interval_s: float = 0.001
-    """``sys.setswitchinterval`` for the worker. NOTE: faust runs the Kafka
-    consumer in its own thread and the ensemble runs in another; with Python's
-    default 5 ms interval each hand-off of the GIL between them can cost up to
-    5 ms of a batch's latency."""
+    """``sys.setswitchinterval`` for the worker. NOTE: the event loop, the
+    thread that makes every blocking librdkafka call (app/eos.py) and the
+    model's thread hand the GIL back and forth; with Python's default 5 ms
+    interval each hand-off can cost up to 5 ms of a batch's latency."""
 
     data_dir: Path = Path(".stack/faust")
     """Faust's local table state."""

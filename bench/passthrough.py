@@ -1,11 +1,13 @@
-"""The transport ceiling: a faust worker that forwards ``transactions`` to ``decisions``.
+"""The faust ceiling: a faust worker that forwards ``transactions`` to ``decisions``.
 
-It consumes the same topic with the same faust settings as the scoring app
-(fetch max wait, producer linger, session timeout, ``take_events(batch_size,
-within)``, ``concurrency=1``) and produces each message's bytes unchanged,
-under its input key, to ``decisions``. The only thing it leaves out is the
-scoring work, so the gap between it and :func:`agents.wiring.create_app` at the
-same offered rate is what scoring costs. The load generator matches outputs by
+It consumes with faust's own stream (``take_events(batch_size, within)``,
+``concurrency=1``) on the worker's faust configuration (:func:`app.faust_app.base_app`:
+fetch max wait, producer linger, session timeout) and produces each message's
+bytes unchanged, under its input key, to ``decisions``, outside any
+transaction. It is what faust's per-event path allows with no work to do: the
+scoring worker consumes and produces through librdkafka instead
+(:mod:`app.eos`, in Kafka transactions), because this path alone cost more CPU
+than a decision (docs/decisions.md). The load generator matches outputs by
 the ``transaction_id`` inside the value, which the forwarded transaction has.
 
     python -m bench.passthrough --web-port 6070     # used by ``python -m bench.run``
@@ -30,7 +32,7 @@ __all__ = ["create_passthrough_app", "main"]
 
 
 def create_passthrough_app(settings: Settings) -> faust.App:
-    """A faust app configured as :func:`agents.wiring.create_app` is, minus scoring."""
+    """A faust app on the workers' base configuration whose one agent forwards instead of scoring."""
     app = base_app(settings)
     transactions = app.topic(settings.topic_transactions, partitions=settings.partitions, **RAW)
     decisions = RawTopic(app, settings.topic_decisions)  # the scoring app's produce path

@@ -10,7 +10,7 @@ from :func:`tools.loadgen.run_load`. Variants:
     ceiling      ``python -m bench.passthrough``: same faust settings and take
                  batching as ``batched``, forwards bytes instead of scoring
     unbatched    ``fraud-pipeline worker`` with FRAUD_BATCH_SIZE=1
-    batched      ``fraud-pipeline worker`` with 32 per batch, 10 ms window
+    batched      ``fraud-pipeline worker`` with the default settings (64 per batch, 10 ms window)
     sweep-S-MS   batch size S × window MS ms, at one rate (full mode only)
 
 For ceiling/unbatched/batched it then searches the highest offered rate that
@@ -21,7 +21,8 @@ kept its schedule (p99 of its sends' lateness under 100 ms). "Lag" is the number
 their decision, sampled every half second: end-to-end consumer lag.
 
 Results go to ``bench/results/latest.json`` (plus a timestamped copy), PNGs
-from :mod:`bench.plots` next to it, and a table to stdout. Worker, broker and
+from :mod:`bench.plots` next to it, a table to stdout, and the figures README.md
+and docs/performance.md quote into their generated blocks (:mod:`bench.figures`). Worker, broker and
 Redis logs stay in ``.stack/bench/<timestamp>/``.
 """
 
@@ -1289,6 +1290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for problem in validate_results(doc):
         log.warning("results: %s", problem)
     latest = write_results(doc, args.out)
+    if args.out.resolve() == RESULTS_DIR:  # the committed results: the docs quote them (bench/figures.py)
+        from bench.figures import update_docs
+
+        for changed in update_docs(doc):
+            print(f"docs:    {changed.relative_to(REPO)}")
     try:
         from bench.plots import plot_all
 

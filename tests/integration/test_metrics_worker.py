@@ -28,6 +28,7 @@ from tests.integration.workers import (
     tx_msg,
     worker_env,
 )
+from tests.unit.test_deploy import metric_family, metrics_table, rules_metric_names
 from tools.autoscale import advise, measure
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -120,6 +121,10 @@ def test_metrics_move_with_traffic(
     def delta(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
+    # Every metric deploy/README.md's table or an alerting/recording rule names is one this worker serves.
+    served = {f.name for f in text_string_to_metric_families(text)}
+    named = set(metrics_table()) | rules_metric_names()
+    assert not {n for n in named if metric_family(n) not in served}, f"named in deploy/ but not served: {sorted(named)}"
     assert delta("fraud_messages_total") == len(traffic)
     for action in ("approve", "review", "decline"):
         assert delta("fraud_decisions_total", action=action, cached="false") == out["actions"].count(action), action

@@ -241,9 +241,10 @@ def test_recording_rules_use_metrics_the_worker_exports() -> None:
     records = set()
     for group in rules["groups"]:
         for rule in group["rules"]:
-            records.add(rule["record"])
+            if "record" in rule:
+                records.add(rule["record"])
             for name in re.findall(r"\bfraud(?::[a-z_]+)+|\bfraud_[a-z_]+", rule["expr"]):
-                assert name in exported or name in records, f"{rule['record']} uses {name}, which nothing defines"
+                assert name in exported or name in records, f"{rule.get('record', rule.get('alert'))} uses {name}, which nothing defines"
     assert "fraud:desired_workers" in records
 
 
@@ -298,3 +299,78 @@ def test_the_readme_says_the_topology_and_how_to_size_it() -> None:
     assert "../docs/performance.md" in sizing and (REPO / "docs" / "performance.md").is_file()
     for part in ("**Workers**", "**Partitions**", "**Broker CPU**", "**Redis**"):
         assert part in sizing, part
+
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus; `make test-tools` does)"
+)
+
+
+@needs_promtool
+def test_prometheus_loads_the_rules_file() -> None:
+    """What Prometheus itself checks at start: the syntax, every expression parses."""
+    assert PROMTOOL is not None
+    done = subprocess.run([PROMTOOL, "check", "rules", str(DEPLOY / "prometheus-rules.yml")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_every_rule_gives_what_its_test_expects_on_known_series() -> None:
+    """deploy/prometheus-rules.test.yml evaluates each recording rule on known
+    series and each alert before and after its `for:`; a rule no test
+    evaluates fails here too."""
+    assert PROMTOOL is not None
+    tests = yaml.safe_load((DEPLOY / "prometheus-rules.test.yml").read_text())
+    tested = {case["expr"] for test in tests["tests"] for case in test.get("promql_expr_test", [])}
+    tested |= {case["alertname"] for test in tests["tests"] for case in test.get("alert_rule_test", [])}
+    rules = yaml.safe_load((DEPLOY / "prometheus-rules.yml").read_text())
+    names = {rule.get("record") or rule.get("alert") for group in rules["groups"] for rule in group["rules"]}
+    assert names <= tested, f"rules no promtool test evaluates: {sorted(names - tested)}"
+    done = subprocess.run([PROMTOOL, "test", "rules", str(DEPLOY / "prometheus-rules.test.yml")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def metrics_table() -> dict[str, str]:
+    """deploy/README.md's metrics table: each metric it names (first column) -> its type."""
+    text = (DEPLOY / "README.md").read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        for name in re.findall(r"`((?:fraud|process)_[a-z_]+)", cells[0] if cells else ""):
+            out[name] = cells[1]
+    return out
+
+
+def metric_family(name: str) -> str:
+    """The metric family a documented name belongs to (counters are documented with ``_total``)."""
+    return re.sub(r"_(total|bucket|sum|count)$", "", name)
+
+
+def test_the_deploy_readme_names_every_worker_metric_and_only_those() -> None:
+    """Both ways: an operator reading the table finds every `fraud_*` family a
+    worker serves, and nothing the worker does not serve."""
+    served = {family.name: family.type for family in WorkerMetrics(Settings()).registry.collect()}
+    table = metrics_table()
+    for name, kind in table.items():
+        assert metric_family(name) in served, f"deploy/README.md names {name}, which no worker serves"
+        assert served[metric_family(name)] in kind, f"{name}: the table says {kind}, the worker serves a {served[metric_family(name)]}"
+    documented = {metric_family(name) for name in table}
+    assert not {f for f in served if f.startswith("fraud_")} - documented, "served but not in deploy/README.md"
+
+
+def rules_metric_names() -> set[str]:
+    """Every metric (not a recording rule's own name) an expression of deploy/prometheus-rules.yml reads."""
+    rules = yaml.safe_load((DEPLOY / "prometheus-rules.yml").read_text())
+    names = set()
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            names.update(re.findall(r"\b(?:fraud|process)_[a-z_]+", re.sub(r"\bfraud(?::[a-z_]+)+", "", rule["expr"])))
+    return names
+
+
+def test_the_rules_read_only_metrics_a_worker_serves() -> None:
+    served = {family.name for family in WorkerMetrics(Settings()).registry.collect()}
+    assert {metric_family(n) for n in rules_metric_names()} <= served
