@@ -57,6 +57,7 @@ from pipeline.ratelimit import RedisRateLimiter
 from pipeline.redis_batch import RedisBatchLookup
 from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
+from pipeline.timing import RoundTrips, timed
 from pipeline.validate import Limits
 
 __all__ = ["Runtime", "ScoringLoop", "create_app", "exactly_once", "freeze_startup_heap", "scoring_group"]
@@ -95,8 +96,13 @@ class Runtime:
         log.info("serving model %s with rules %s; producers: %r", model.version, rules.version, keys)
         return cls(settings, rules, model, keys, load_decision_signer(settings))
 
-    def build_scorer(self, merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None) -> Scorer:
-        """Redis clients need the running loop: call this inside the agent."""
+    def build_scorer(
+        self,
+        merchant_tally: Callable[[str], MerchantTally | None] = lambda _: None,
+        round_trips: RoundTrips | None = None,
+    ) -> Scorer:
+        """Redis clients need the running loop: call this inside the agent.
+        ``round_trips`` is told each Redis round trip's time (the worker's metrics)."""
         s = self.settings
         client = redis_client.async_client(s)  # one server or a Redis Cluster
         admission = self.admission(client)
@@ -117,6 +123,7 @@ class Runtime:
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,
+            round_trips=round_trips,
         )
 
     def reloader(self) -> Reloader:
@@ -192,7 +199,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
 
     @app.task
     async def score() -> None:
-        scorer = metrics.instrument(runtime.build_scorer(merchant_tally))
+        scorer = runtime.build_scorer(merchant_tally, metrics)
         loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings)
         watchdog = LoopWatchdog(settings.loop_stall_exit_s)
         loop.on_step = watchdog.beat
@@ -396,7 +403,8 @@ async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, bytes]
         # later batch finds them there); Redis is for other workers, after a
         # rebalance. Bounded, and never fails a batch.
         try:
-            await asyncio.wait_for(scorer.cache.put_many(decisions), CACHE_WRITE_TIMEOUT_S)
+            await asyncio.wait_for(timed(scorer.round_trips, "cache_put", scorer.cache.put_many(decisions)),
+                                   CACHE_WRITE_TIMEOUT_S)  # fmt: skip
         except Exception as exc:
             log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
 

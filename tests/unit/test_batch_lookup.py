@@ -24,9 +24,11 @@ from pipeline.auth import InMemoryReplayGuard, RedisReplayGuard
 from pipeline.cache import InMemoryDecisionCache, LocalFirstCache, RedisDecisionCache
 from pipeline.feature_store import Enrichment, InMemoryFeatureStore, RedisFeatureStore
 from pipeline.features import velocity_from_events
+from pipeline.lookup import BatchAnswer, Request
 from pipeline.ratelimit import RateDecision, RedisRateLimiter
-from pipeline.redis_batch import BatchAnswer, RedisBatchLookup, Request
+from pipeline.redis_batch import RedisBatchLookup
 from pipeline.scorer import BatchOutput, Inbound, Scorer
+from pipeline.timing import Laps
 from pipeline.validate import Rejection
 from tests.factories import RULES, ConstantModel, tx_bytes
 
@@ -40,7 +42,7 @@ class ScriptedLookup:
         self.answer = answer
         self.asked: list[list[Request]] = []
 
-    async def look_up(self, requests: Sequence[Request]) -> BatchAnswer:
+    async def look_up(self, requests: Sequence[Request], laps: Laps) -> BatchAnswer:
         self.asked.append(list(requests))
         return self.answer(requests)
 
