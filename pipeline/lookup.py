@@ -141,7 +141,7 @@ class SeparateCalls:
         except Exception as exc:
             log.warning("decision cache unavailable (%r): decisions are provisional", exc)
             found = [UNCHECKED] * len(txs)
-        unchecked = frozenset(tx.transaction_id for tx, hit in zip(txs, found) if hit is UNCHECKED)
+        unchecked = frozenset({tx.transaction_id for tx, hit in zip(txs, found) if hit is UNCHECKED})
         return [None if hit is UNCHECKED else hit for hit in found], unchecked
 
     async def _admit(
@@ -151,7 +151,8 @@ class SeparateCalls:
         verdicts: list[Rejection | None] = [None] * len(requests)
         if self.admission is None or not firsts:
             return verdicts, ()
-        items = [(r.auth, r.delivery, r.tx.transaction_id, r.tx.user_id) for r in (requests[i] for i in firsts)]
+        asked = [requests[i] for i in firsts]
+        items = [(r.auth, r.delivery, r.tx.transaction_id, r.tx.user_id) for r in asked]
         admitted, unavailable = await self.admission.admit(items, self.round_trips)
         for i, verdict in zip(firsts, admitted):
             verdicts[i] = verdict

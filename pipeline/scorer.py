@@ -337,8 +337,9 @@ class Scorer:
         Returns the valid ones and, index for index, what the look-up asks about them."""
         valid: list[tuple[Inbound, Transaction]] = []
         requests: list[Request] = []
+        admission = self._admission
         for msg in batch:
-            auth = self.admission.authenticate(msg.value, msg.headers, now) if self.admission else UNSIGNED
+            auth = admission.authenticate(msg.value, msg.headers, now) if admission else UNSIGNED
             if isinstance(auth, Rejection):
                 self._refuse(out, msg, auth, now, stats)
                 continue
@@ -611,7 +612,9 @@ class Scorer:
             log.exception("reading the merchant tally failed")
             return None
 
-    def _emit_cached(self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: StageClock) -> None:
+    def _emit_cached(
+        self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: StageClock
+    ) -> None:
         record = dict(hit)
         record.update(
             transaction_id=tx.transaction_id,
