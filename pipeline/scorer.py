@@ -1,10 +1,10 @@
 """Score one micro-batch: the whole flow, top to bottom.
 
-    raw messages ─ validate ─┬─ rejections ────────────────────────────────► reject + DLQ
-                             └─ look up ─┬─ cache hits ─────────────────────► cached decision
-                                         ├─ refused by admission ───────────► reject + DLQ
-                                         └─ features ─ ensemble (50 ms budget) ─ rules ─► decision
-                                                           └ failure/late ─► rules-only, degraded
+    raw messages ─ validate ─┬─ rejections ───────────────────────────────────► reject + DLQ
+                             └─ look up ─┬─ cache hits ───────────────────────► cached decision
+                                         ├─ refused by admission ─────────────► reject + DLQ
+                                         └─ features ─ ensemble ─ rules ──────► decision
+                                                       └ failed, or past its 50 ms ► rules only, degraded
 
 :class:`Scorer` is free of Kafka: it turns a list of :class:`Inbound` messages
 into a :class:`BatchOutput` (what to produce where). The look-up (decision
@@ -16,7 +16,8 @@ else the separate calls in turn; either answers the same
 once: a decision; a refused one a ``reject`` decision plus a dead-letter record
 when its transaction id can be read, else (and when unauthenticated) the dead
 letter alone (docs/contract.md, *Outcomes*); nothing raised here may escape
-(the loop would lose the batch's records).
+(the scoring loop would stop the worker, and a batch that always raised would
+stop it again after every restart).
 """
 
 from __future__ import annotations
@@ -362,15 +363,10 @@ class Scorer:
     ) -> _Staged:
         """Apply the look-up's answer: cached decisions emitted, second copies
         set aside, the refused rejected (their copies with them), the features
-        of the rest turned into rows.
-
-        Stage times: the look-up laps what its own calls serve (the separate
-        calls: ``cache``, ``validate``, ``features``; the one call nothing, so
-        its whole time is charged to ``cache``, the first stage it serves and
-        the one its hits are emitted after); here the answer's hits and copies
-        are charged to ``cache``, the verdicts to ``validate``, the rows to
-        ``features``. With the one call, ``cache`` grows by what ``validate``
-        and ``features`` lose: compare their sum."""
+        of the rest turned into rows; charged to ``cache``, ``validate`` and
+        ``features`` on top of what the look-up lapped of its own calls (the
+        one call laps nothing: all of it is ``cache``, so compare the sum of
+        the three with the separate calls')."""
         for incident in answer.incidents:
             stats[incident] += 1
         fresh: list[tuple[Inbound, Transaction]] = []
@@ -531,7 +527,7 @@ class Scorer:
             return
         try:
             await self._shadow(out, work)
-        except Exception:  # NOTE: the agent retries emit() on errors: this must never raise
+        except Exception:  # NOTE: a raise would stop the scoring loop: the shadow must never cost a batch
             log.exception("shadow model %s: batch left without shadow scores", work.model.version)
 
     async def _shadow(self, out: BatchOutput, work: _ShadowWork) -> None:
