@@ -7,8 +7,9 @@ one process, as in tests, never share a metric). It holds:
   read from the :class:`~pipeline.scorer.BatchOutput` the scorer already returns:
   the batch's monitoring record (stage timings, counts, degraded reason, model
   version), its outcomes by (action, cached), and its dead letters' reasons;
-- Redis round trips, timed by thin proxies around the scorer's Redis-backed
-  collaborators (:meth:`instrument`);
+- Redis round trips, as the scorer reports them (:meth:`observe_round_trip`:
+  the worker builds its scorer with these metrics as its
+  :class:`~pipeline.timing.RoundTrips` observer);
 - values computed when scraped (:class:`_ScrapeTimeCollector`): consumer lag
   per partition from the consumer's fetch highwater minus the committed
   offset, and the worker's measured throughput and capacity, the autoscaling
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     import faust
 
     from app.settings import Settings
-    from pipeline.scorer import BatchOutput, Inbound, Scorer
+    from pipeline.scorer import BatchOutput, Inbound
 
 __all__ = ["THROUGHPUT_WINDOW_S", "WorkerMetrics", "consumer_lag", "reason_label"]
 
@@ -148,6 +149,8 @@ class WorkerMetrics:
             ["model_version", "rules_version"], registry=r,
         )  # fmt: skip
         self._versions: tuple[str, str] | None = None
+        #: Each operation's histogram and error counter, looked up once (``labels`` takes a lock).
+        self._round_trips: dict[str, tuple[Histogram, Counter]] = {}
         self._window: deque[tuple[float, int, float]] = deque()  # (monotonic end, messages, busy s)
         #: (topic, partition, highwater, committed) per assigned partition of the
         #: scoring consumer (app/eos.py); None in a worker that does not score.
@@ -179,10 +182,12 @@ class WorkerMetrics:
     @classmethod
     def install(cls, app: faust.App, settings: Settings, *, faust_sensors: bool = False) -> WorkerMetrics:
         """Create the app's metrics and serve them at ``/metrics`` (with faust's sensor when ``faust_sensors``)."""
+        import prometheus_client
         from faust.sensors.prometheus import setup_prometheus_sensors
-        from prometheus_client import disable_created_metrics
 
         # A `_created` series per counter doubles the scrape for nothing Prometheus uses.
+        # (Typed here: prometheus_client leaves this function unannotated.)
+        disable_created_metrics: Callable[[], None] = prometheus_client.disable_created_metrics
         disable_created_metrics()
         metrics = cls(settings)
         if faust_sensors:
@@ -198,20 +203,17 @@ class WorkerMetrics:
             self.model_info.labels(*versions).set(1)
             self._versions = versions
 
-    def instrument(self, scorer: Scorer) -> Scorer:
-        """Time the scorer's Redis round trips (store, cache, replay guard, limiter, the one-call lookup)."""
-        scorer.store = _Timed(scorer.store, self, {"enrich": "enrich"})  # type: ignore[assignment]
-        cache_ops = {"get_many": "cache_get", "put_many": "cache_put"}
-        scorer.cache = _Timed(scorer.cache, self, cache_ops)  # type: ignore[assignment]
-        if scorer.lookup is not None:  # the three above in one call (pipeline/redis_batch.py)
-            scorer.lookup = _Timed(scorer.lookup, self, {"look_up": "batch_lookup"})
-        admission = scorer.admission
-        if admission is not None:
-            if admission.replay is not None:
-                admission.replay = _Timed(admission.replay, self, {"check": "replay_guard"})  # type: ignore[assignment]
-            if admission.limiter is not None:
-                admission.limiter = _Timed(admission.limiter, self, {"allow": "rate_limit"})  # type: ignore[assignment]
-        return scorer
+    def observe_round_trip(self, op: str, seconds: float, failed: bool) -> None:
+        """One Redis round trip of the scorer's (``batch_lookup``, ``cache_get``,
+        ``replay_guard``, ``rate_limit``, ``enrich``) or of the loop's
+        (``cache_put``): the :class:`~pipeline.timing.RoundTrips` observer."""
+        metrics = self._round_trips.get(op)
+        if metrics is None:
+            metrics = self._round_trips[op] = (self.redis_seconds.labels(op), self.redis_errors.labels(op))
+        histogram, errors = metrics
+        histogram.observe(seconds)
+        if failed:
+            errors.inc()
 
     # --- per batch ----------------------------------------------------------------
 
@@ -342,7 +344,7 @@ class _ScrapeTimeCollector(Collector):
             if done is not None:
                 committed.add_metric(labels, done)
             value = consumer_lag(hw, done)
-            if value is not None:
+            if hw is not None and value is not None:
                 highwater.add_metric(labels, hw)
                 lag.add_metric(labels, value)
         yield lag
@@ -357,35 +359,6 @@ class _ScrapeTimeCollector(Collector):
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
-
-
-class _Timed:
-    """A proxy that times the named coroutine methods of a Redis-backed collaborator."""
-
-    def __init__(self, inner: Any, metrics: WorkerMetrics, ops: dict[str, str]) -> None:
-        self._inner = inner
-        for method, op in ops.items():
-            setattr(self, method, self._wrap(getattr(inner, method), metrics, op))
-
-    @staticmethod
-    def _wrap(call: Callable[..., Any], metrics: WorkerMetrics, op: str) -> Callable[..., Any]:
-        histogram = metrics.redis_seconds.labels(op)
-        errors = metrics.redis_errors.labels(op)
-
-        async def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return await call(*args, **kwargs)
-            except BaseException:
-                errors.inc()
-                raise
-            finally:
-                histogram.observe(time.perf_counter() - start)
-
-        return timed
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 def _serve(app: faust.App, registry: CollectorRegistry) -> None:

@@ -36,6 +36,7 @@ from app.eos import ExactlyOnce, TakenBatch
 from app.settings import Settings
 from pipeline.cache import HoldingCache
 from pipeline.scorer import BatchOutput, Inbound, Scorer, Signs
+from pipeline.timing import timed
 
 __all__ = ["ScoringLoop"]
 
@@ -168,7 +169,8 @@ async def _write_cache(scorer: Scorer, decisions: list[tuple[Transaction, bytes]
         # later batch finds them there); Redis is for other workers, after a
         # rebalance. Bounded, and never fails a batch.
         try:
-            await asyncio.wait_for(scorer.cache.put_many(decisions), CACHE_WRITE_TIMEOUT_S)
+            await asyncio.wait_for(timed(scorer.round_trips, "cache_put", scorer.cache.put_many(decisions)),
+                                   CACHE_WRITE_TIMEOUT_S)  # fmt: skip
         except Exception as exc:
             log.warning("storing %d decisions in the cache failed: %r", len(decisions), exc)
 

@@ -50,6 +50,7 @@ from pipeline.ratelimit import RedisRateLimiter
 from pipeline.redis_batch import RedisBatchLookup
 from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import Scorer
+from pipeline.timing import RoundTrips
 from pipeline.validate import Limits
 
 __all__ = [
@@ -121,8 +122,10 @@ class Runtime:
         client: Any,
         cache: LocalFirstCache,
         merchant_tally: Callable[[str], MerchantTally | None] = _no_tally,
+        round_trips: RoundTrips | None = None,
     ) -> Scorer:
-        """The scorer over ``client`` (:meth:`redis`) and ``cache`` (:meth:`decision_cache`)."""
+        """The scorer over ``client`` (:meth:`redis`) and ``cache`` (:meth:`decision_cache`);
+        ``round_trips`` is told each Redis round trip's time (the worker's metrics)."""
         s = self.settings
         admission = self.admission(client)
         store = RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s, cluster=self.cluster)
@@ -139,6 +142,7 @@ class Runtime:
             limits=Limits(s.max_message_bytes, s.max_future_skew_s, s.max_age_s),
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,
+            round_trips=round_trips,
         )
 
     def reloader(self) -> Reloader:
@@ -216,7 +220,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def score() -> None:
         client = runtime.redis()
         cache = runtime.decision_cache(client)
-        scorer = metrics.instrument(runtime.build_scorer(client, cache, merchant_tally))
+        scorer = runtime.build_scorer(client, cache, merchant_tally, metrics)
         loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings, cache=cache)
         watchdog = LoopWatchdog(settings.loop_stall_exit_s)
         loop.on_step = watchdog.beat

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pipeline.auth import AuthResult, ReplayGuard, replay_ttl_s, verify
 from pipeline.ratelimit import RateDecision, RateLimiter
+from pipeline.timing import RoundTrips, timed
 from pipeline.validate import Rejection
 
 __all__ = ["Admission", "verdicts_of"]
@@ -49,12 +50,13 @@ class Admission:
         return verify(value, headers, self.keys, now, self.window_s, allow_unsigned=self.allow_unsigned)
 
     async def admit(
-        self, items: Sequence[tuple[AuthResult, str, str, str]]
+        self, items: Sequence[tuple[AuthResult, str, str, str]], round_trips: RoundTrips | None = None
     ) -> tuple[list[Rejection | None], list[str]]:
         """``items``: (auth, delivery "partition:offset", transaction_id, user_id).
 
         Returns, per item, None (admitted) or why not; and the names of the
-        checks that could not be made (for monitoring).
+        checks that could not be made (for monitoring). ``round_trips`` is
+        told each check's time (``replay_guard``, ``rate_limit``).
         """
         unavailable: list[str] = []
         signed = [i for i, (auth, *_rest) in enumerate(items) if auth.signature]
@@ -62,8 +64,8 @@ class Admission:
         # trip of latency). A replay therefore also spends a token: replays are
         # rare and refused anyway, and a second sequential round trip per batch
         # would cost every transaction.
-        replay_check = self._replays(items, signed)
-        rate_check = self._rates(items)
+        replay_check = self._replays(items, signed, round_trips)
+        rate_check = self._rates(items, round_trips)
         firsts, rates = await asyncio.gather(replay_check, rate_check)
         if firsts is None:
             unavailable.append("replay_guard")
@@ -71,22 +73,28 @@ class Admission:
             unavailable.append("rate_limiter")
         return verdicts_of(items, signed, firsts or [], rates or []), unavailable
 
-    async def _replays(self, items: Sequence[tuple[AuthResult, str, str, str]], signed: list[int]) -> list[bool] | None:
+    async def _replays(
+        self, items: Sequence[tuple[AuthResult, str, str, str]], signed: list[int], round_trips: RoundTrips | None
+    ) -> list[bool] | None:
         if self.replay is None or not signed:
             return []
         try:
-            return await self.replay.check(
+            check = self.replay.check(
                 [(items[i][0].signature or "", items[i][1]) for i in signed], replay_ttl_s(self.window_s)
             )
+            return await timed(round_trips, "replay_guard", check)
         except Exception as exc:
             log.warning("replay guard unavailable (%r): admitting the batch", exc)
             return None
 
-    async def _rates(self, items: Sequence[tuple[AuthResult, str, str, str]]) -> list[RateDecision] | None:
+    async def _rates(
+        self, items: Sequence[tuple[AuthResult, str, str, str]], round_trips: RoundTrips | None
+    ) -> list[RateDecision] | None:
         if self.limiter is None:
             return []
         try:
-            return await self.limiter.allow([(auth.client_id, user) for auth, _, _, user in items])
+            allow = self.limiter.allow([(auth.client_id, user) for auth, _, _, user in items])
+            return await timed(round_trips, "rate_limit", allow)
         except Exception as exc:
             log.warning("rate limiter unavailable (%r): admitting the batch", exc)
             return None

@@ -354,6 +354,11 @@ class RedisReplayGuard:
         self._cluster = cluster
         self._check_many = client.register_script(REPLAY_CHECK_SCRIPT)
 
+    @property
+    def client(self) -> Any:
+        """The Redis client it talks to (the batch's one call needs every part on one)."""
+        return self._client
+
     async def check(self, items: Sequence[tuple[str, str]], ttl_s: int) -> list[bool]:
         if not items:
             return []

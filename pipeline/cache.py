@@ -104,6 +104,11 @@ class RedisDecisionCache:
         self._cluster = cluster
         self._put_many = client.register_script(PUT_MANY_SCRIPT)
 
+    @property
+    def client(self) -> Any:
+        """The Redis client it talks to (the batch's one call needs every part on one)."""
+        return self._client
+
     async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
         if not txs:
             return []

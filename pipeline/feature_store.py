@@ -211,6 +211,11 @@ class RedisFeatureStore:
         # EVALSHA, falling back to loading the script when Redis lost it (restart, SCRIPT FLUSH).
         self._batch_script = client.register_script(BATCH_ENRICH_SCRIPT)
 
+    @property
+    def client(self) -> Any:
+        """The Redis client it talks to (the batch's one call needs every part on one)."""
+        return self._client
+
     async def enrich(self, txs: Sequence[Transaction]) -> list[Enrichment]:
         from redis.exceptions import NoScriptError
 

@@ -226,6 +226,11 @@ class RedisRateLimiter:
         self._sha: str | None = None
         self._cluster = cluster
 
+    @property
+    def client(self) -> Any:
+        """The Redis client it talks to (the batch's one call needs every part on one)."""
+        return self._client
+
     def plan(self, requests: Sequence[tuple[str, str]]) -> tuple[BucketPlan, float]:
         """``requests`` laid out for the token-bucket function, and the time
         they are decided at (the batch's one-call script, pipeline/redis_batch.py)."""

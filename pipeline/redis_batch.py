@@ -24,11 +24,14 @@ Why: redis-py's cost per command (a socket write, parsing the reply, asyncio
 futures) was ~11 % of a worker's CPU, and a batch's fixed costs dominate at
 low rates (docs/performance.md).
 
-A Redis Cluster refuses a script over keys of several slots, and the
-in-memory fakes have no Redis: :meth:`RedisBatchLookup.build` then returns
-None and the scorer keeps the separate calls. It also falls back to them for
-a batch whose call fails (:class:`~app.errors.BatchLookupError`), so a Redis
-outage decides exactly as before: provisional, fail open, degraded.
+It answers the scorer's :class:`~pipeline.lookup.BatchLookup` protocol, as
+the separate calls do (:class:`~pipeline.lookup.SeparateCalls`). A Redis
+Cluster refuses a script over keys of several slots, and the in-memory fakes
+have no Redis: :meth:`RedisBatchLookup.build` then returns None and the
+scorer makes the separate calls. It also falls back to them for a batch
+whose call fails (:class:`~app.errors.BatchLookupError`,
+:class:`~pipeline.lookup.OneCallFirst`), so a Redis outage decides exactly
+as before: provisional, fail open, degraded.
 """
 
 from __future__ import annotations
@@ -36,28 +39,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
-from app.contract import Transaction
 from app.errors import BatchLookupError, FeatureStoreError
 from app.redis_client import is_cluster_client
 from app.redis_keys import content_hash, decision_keys, merchant_key, profile_key, signature_key, velocity_key
 from pipeline.admission import Admission, verdicts_of
-from pipeline.auth import REPLAY_CHECK_FUNCTION, AuthResult, RedisReplayGuard, first_delivery, replay_ttl_s
+from pipeline.auth import REPLAY_CHECK_FUNCTION, RedisReplayGuard, first_delivery, replay_ttl_s
 from pipeline.cache import LocalFirstCache, RedisDecisionCache
-from pipeline.feature_store import (
-    BATCH_ENRICH_FUNCTION,
-    VELOCITY_RETENTION_S,
-    Enrichment,
-    RedisFeatureStore,
-    velocity_args,
-)
+from pipeline.feature_store import BATCH_ENRICH_FUNCTION, VELOCITY_RETENTION_S, RedisFeatureStore, velocity_args
+from pipeline.lookup import BatchAnswer, Request
 from pipeline.ratelimit import COST, TOKEN_BUCKET_FUNCTION, RedisRateLimiter, rate_decision
+from pipeline.timing import Laps
 from pipeline.validate import Rejection
 
-__all__ = ["BATCH_SCRIPT", "BatchAnswer", "RedisBatchLookup", "Request"]
+__all__ = ["BATCH_SCRIPT", "RedisBatchLookup"]
 
 #: ARGV header: m (transactions), b (buckets), s (signatures), p (profiles),
 #: q (merchants), now (the limiter's clock), cost, replay TTL, velocity retention.
@@ -90,7 +88,7 @@ local T = HEADER + 2 * b
 local rows = cjson.decode(ARGV[T + 1])
 local function at(i, k) return rows[i][k] end
 
--- 1. the decision cache: a hit is answered; a second copy follows its first (Scorer._answer_from_cache)
+-- 1. the decision cache: a hit is answered; a second copy follows its first (lookup.in_batch_copies)
 local status, leaders, first = {}, {}, {}
 for i = 1, m do
   local found = redis.call('MGET', KEYS[2 * i - 1], KEYS[2 * i])
@@ -182,30 +180,11 @@ return {status, firsts, rates, admitted, profiles, merchants, features}
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One valid transaction of the batch, as admission sees it."""
+class _OnRedis(Protocol):
+    """A part the one call stands in for: Redis-backed, on this client."""
 
-    tx: Transaction
-    auth: AuthResult
-    delivery: str
-    """The record's ``"partition:offset"`` (the replay guard's redelivery test)."""
-
-
-@dataclass(slots=True)
-class BatchAnswer:
-    """What the lookup found, index for index with the requests."""
-
-    hits: list[dict[str, Any] | None]
-    """A decision given before (a resend): answered with it, nothing else done."""
-    follows: list[int | None]
-    """For a second copy of a transaction in the batch: the index of its first copy."""
-    verdicts: list[Rejection | None]
-    """For a first copy refused by admission (replayed, rate limited): why."""
-    enrichments: list[Enrichment] | None
-    """The admitted first copies' features, in order; None when they could not
-    be read (``enrich_error`` says why)."""
-    enrich_error: FeatureStoreError | None = None
+    @property
+    def client(self) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -236,8 +215,6 @@ class RedisBatchLookup:
         ``admission``'s guard and limiter use (see :meth:`build`)."""
         self._local = cache if isinstance(cache, LocalFirstCache) else None
         self._store = store
-        # The parts themselves, not ``admission``: the worker's metrics wrap its
-        # guard and limiter in timing proxies afterwards.
         self._replay = admission is not None and admission.replay is not None
         self._replay_ttl_s = replay_ttl_s(admission.window_s) if admission is not None else 0
         limiter = admission.limiter if admission is not None else None
@@ -252,36 +229,36 @@ class RedisBatchLookup:
         """The lookup when every part is Redis on ``client`` and it is one server;
         else None (a Redis Cluster, in-memory parts): the separate calls."""
         shared = cache.shared if isinstance(cache, LocalFirstCache) else cache
-        parts: list[tuple[Any, type]] = [(shared, RedisDecisionCache), (store, RedisFeatureStore)]
+        parts: list[tuple[object, type[_OnRedis]]] = [(shared, RedisDecisionCache), (store, RedisFeatureStore)]
         if admission is not None:
             if admission.replay is not None:
                 parts.append((admission.replay, RedisReplayGuard))
             if admission.limiter is not None:
                 parts.append((admission.limiter, RedisRateLimiter))
-        if is_cluster_client(client) or not all(isinstance(part, kind) for part, kind in parts):
+        on_redis = [part for part, kind in parts if isinstance(part, kind)]
+        if is_cluster_client(client) or len(on_redis) < len(parts):
             return None
-        if any(getattr(part, "_client", client) is not client for part, _ in parts):
-            return None
+        if any(part.client is not client for part in on_redis):
+            return None  # a part on another server: its keys are not where the script runs
         return cls(client, cache, store, admission)
 
-    async def look_up(self, requests: Sequence[Request]) -> BatchAnswer:
+    async def look_up(self, requests: Sequence[Request], laps: Laps) -> BatchAnswer:
         """Each request's cached decision, first copy, admission verdict and
         features. Raises BatchLookupError when the call fails (nothing of it
-        may be assumed done or not done)."""
+        may be assumed done or not done). Laps nothing: the scorer charges
+        the whole lookup to ``cache``, the first stage it serves."""
         hits: list[dict[str, Any] | None] = (
             self._local.get_local_many([r.tx for r in requests]) if self._local else [None] * len(requests)
         )
         remote = [i for i, hit in enumerate(hits) if hit is None]
-        answer = BatchAnswer(hits, [None] * len(requests), [None] * len(requests), [])
         if not remote:
-            return answer
+            return BatchAnswer(hits, [None] * len(requests), [None] * len(requests), [])
         call = self._call([requests[i] for i in remote])
         try:
             reply = await self._script(keys=call.keys, args=call.args)
         except Exception as exc:
             raise BatchLookupError(len(remote), f"Redis call failed: {exc!r}") from exc
-        self._read(answer, requests, remote, call, reply)
-        return answer
+        return self._read(hits, requests, remote, call, reply)
 
     def _call(self, requests: Sequence[Request]) -> _Call:
         """KEYS and ARGV for ``requests`` (see BATCH_SCRIPT)."""
@@ -325,16 +302,24 @@ class RedisBatchLookup:
         return _Call(keys, args, profiles, merchants, signed, now)
 
     def _read(
-        self, answer: BatchAnswer, requests: Sequence[Request], remote: list[int], call: _Call, reply: list[Any]
-    ) -> None:
-        """Fill ``answer`` for the ``remote`` requests from the script's reply."""
+        self,
+        hits: list[dict[str, Any] | None],
+        requests: Sequence[Request],
+        remote: list[int],
+        call: _Call,
+        reply: list[Any],
+    ) -> BatchAnswer:
+        """The answer: ``hits`` (this worker's own) completed for the ``remote``
+        requests from the script's reply, with their copies, verdicts and features."""
         status, firsts, rates, admitted, profiles, merchants, features = reply
+        follows: list[int | None] = [None] * len(requests)
+        verdicts: list[Rejection | None] = [None] * len(requests)
         leaders: list[int] = []  # 0-based, within remote
         for n, (i, st) in enumerate(zip(remote, status)):
             if isinstance(st, bytes):
-                answer.hits[i] = orjson.loads(st)
+                hits[i] = orjson.loads(st)
             elif st:
-                answer.follows[i] = remote[st - 1]
+                follows[i] = remote[st - 1]
             else:
                 leaders.append(n)
         # Verdicts as Admission.admit gives them, from the same answers the script admitted by.
@@ -349,17 +334,18 @@ class RedisBatchLookup:
         decisions = [rate_decision(int(rates[2 * k]), float(rates[2 * k + 1])) for k in range(len(rates) // 2)]
         admitted_here = []
         for n, verdict in zip(leaders, verdicts_of(items, signed, first, decisions)):
-            answer.verdicts[remote[n]] = verdict
+            verdicts[remote[n]] = verdict
             if verdict is None:
                 admitted_here.append(n + 1)
         if admitted_here != list(admitted):
             raise BatchLookupError(len(remote), f"the script admitted {admitted}, the verdicts {admitted_here}")
         txs = [requests[remote[n - 1]].tx for n in admitted]
         try:
-            answer.enrichments = self._store.enrichments(
+            enrichments = self._store.enrichments(
                 txs, features, [call.profiles[x - 1] for x in profiles], [call.merchants[y - 1] for y in merchants],
                 call.now,
             )  # fmt: skip
         except Exception as exc:  # as RedisFeatureStore.enrich: the batch degrades, nothing else
-            answer.enrichments = None
-            answer.enrich_error = exc if isinstance(exc, FeatureStoreError) else FeatureStoreError(repr(exc))
+            error = exc if isinstance(exc, FeatureStoreError) else FeatureStoreError(repr(exc))
+            return BatchAnswer(hits, follows, verdicts, None, error)
+        return BatchAnswer(hits, follows, verdicts, enrichments)

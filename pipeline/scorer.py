@@ -1,20 +1,23 @@
 """Score one micro-batch: the whole flow, top to bottom.
 
-    raw messages ─ validate ─┬─ rejections ──────────────────────────────► reject + DLQ
-                             └─ cache ─┬─ hits ───────────────────────────► cached decision
-                                       └─ enrich (1 Redis round trip) ─ features ─ ensemble
-                                          (50 ms budget) ─ rules ─────────► decision
-                                                          └ failure/late ─► rules-only, degraded
+    raw messages ─ validate ─┬─ rejections ───────────────────────────────────► reject + DLQ
+                             └─ look up ─┬─ cache hits ───────────────────────► cached decision
+                                         ├─ refused by admission ─────────────► reject + DLQ
+                                         └─ features ─ ensemble ─ rules ──────► decision
+                                                       └ failed, or past its 50 ms ► rules only, degraded
 
 :class:`Scorer` is free of Kafka: it turns a list of :class:`Inbound` messages
-into a :class:`BatchOutput` (what to produce where). On one Redis server
-the cache lookup, admission and enrichment are one Redis call for the batch
-(:mod:`pipeline.redis_batch`), else three in turn. The faust agent in
+into a :class:`BatchOutput` (what to produce where). The look-up (decision
+cache, admission, enrichment) is a :class:`~pipeline.lookup.BatchLookup`: one
+Redis call for the batch on one Redis server (:mod:`pipeline.redis_batch`),
+else the separate calls in turn; either answers the same
+:class:`~pipeline.lookup.BatchAnswer`, read here on one path. The agent in
 :mod:`agents.score` only moves batches in and out. Every message is answered
 once: a decision; a refused one a ``reject`` decision plus a dead-letter record
 when its transaction id can be read, else (and when unauthenticated) the dead
 letter alone (docs/contract.md, *Outcomes*); nothing raised here may escape
-(faust would ack and lose the batch).
+(the scoring loop would stop the worker, and a batch that always raised would
+stop it again after every restart).
 """
 
 from __future__ import annotations
@@ -36,22 +39,21 @@ import orjson
 
 from app.contract import Decision, Transaction
 from app.eos import Record
-from app.errors import BatchLookupError
-from app.redis_keys import content_hash
 from pipeline.admission import Admission
-from pipeline.auth import UNSIGNED, AuthResult
-from pipeline.cache import UNCHECKED, DecisionCache
+from pipeline.auth import UNSIGNED
+from pipeline.cache import DecisionCache
 from pipeline.decide import explain
 from pipeline.drift import DriftMonitor
 from pipeline.feature_store import Enrichment, FeatureStore
 from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix, feature_row
 from pipeline.labels import MerchantTally
+from pipeline.lookup import NOTHING_FOUND, BatchAnswer, BatchLookup, OneCallFirst, Request, SeparateCalls
 from pipeline.model import Prediction, ScoringModel
-from pipeline.redis_batch import BatchAnswer, Request
 from pipeline.rules import RuleSet, evaluate_rules
+from pipeline.timing import RoundTrips, StageClock
 from pipeline.validate import Limits, Rejection, validate
 
-__all__ = ["BatchLookup", "BatchOutput", "Inbound", "Record", "Scorer", "Signs"]
+__all__ = ["BatchOutput", "Inbound", "Record", "Scorer", "Signs"]
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +168,9 @@ class _Evidence:
     """What a batch's fresh transactions are decided on, filled in stage by stage."""
 
     txs: list[Transaction]
-    enrichments: list[Enrichment] | None = None
+    unchecked: frozenset[str] = frozenset()
+    """Ids the decision cache could not check: decided provisionally (never approved)."""
+    enrichments: Sequence[Enrichment] | None = None
     """None when the feature store failed (or there was nothing to enrich)."""
     rows: list[list[float]] = field(default_factory=list)
     matrix: np.ndarray | None = None
@@ -179,16 +183,15 @@ class _Evidence:
         return self.prediction.scores if self.prediction is not None else None
 
 
-#: A batch after cache, admission and enrichment: the transactions to decide,
-#: their in-batch copies (with their leader's index), the ids decided
-#: provisionally, and what they are decided on.
-_Staged = tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]], set[str], "_Evidence"]
+@dataclass(slots=True)
+class _Staged:
+    """A batch after its look-up: what is left to decide."""
 
-
-class BatchLookup(Protocol):
-    async def look_up(self, requests: Sequence[Request]) -> BatchAnswer:
-        """Each request's cached decision, first copy, verdict and features; raises BatchLookupError."""
-        ...
+    fresh: list[tuple[Inbound, Transaction]]
+    """The admitted first copies, to be scored."""
+    copies: list[tuple[Inbound, Transaction, int]]
+    """Second copies within the batch, each with its first copy's index in ``fresh``."""
+    evidence: _Evidence
 
 
 class _Draft(NamedTuple):
@@ -201,23 +204,6 @@ class _Draft(NamedTuple):
     words: list[str]
     rule: str
     tally: MerchantTally | None
-
-
-class _Clock:
-    """Stage timer: ``lap(name)`` records the ms since the previous lap."""
-
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-        self.ms: dict[str, float] = {}
-
-    def lap(self, name: str) -> None:
-        """Charge the time since the last lap to ``name`` (added, if it has some)."""
-        now = time.perf_counter()
-        self.ms[name] = round(self.ms.get(name, 0.0) + (now - self.last) * 1000, 3)
-        self.last = now
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.start) * 1000
 
 
 class Scorer:
@@ -236,25 +222,28 @@ class Scorer:
         shadow: ScoringModel | None = None,
         drift: DriftMonitor | None = None,
         lookup: BatchLookup | None = None,
+        round_trips: RoundTrips | None = None,
     ) -> None:
+        """``lookup``: the decision cache, admission and enrichment in one Redis
+        call (pipeline/redis_batch.py); None makes them the separate calls in
+        turn, as does a failed one call. ``cache``, ``store``, ``admission``
+        and ``lookup`` are fixed here; ``round_trips`` is told each Redis round
+        trip's time (the worker's metrics)."""
         self.model = model
         #: A candidate scored on the same rows after the batch is decided; never decides.
         self.shadow = shadow
         #: PSI of served scores and top features against the model's training reference.
         self.drift = drift
         self.rules = rules
-        self.store = store
-        self.cache = cache
         self.limits = limits
         self.model_budget_s = model_budget_s
         self.wall_clock = wall_clock
         #: Live confirmed-fraud tally per merchant (a faust GlobalTable in the worker).
         self.merchant_tally = merchant_tally
-        #: Authentication, replay guard and rate limits; None trusts every producer.
-        self.admission = admission
-        #: Cache, admission and enrichment in one Redis call (one server only:
-        #: pipeline/redis_batch.py); None makes them three calls in turn.
-        self.lookup = lookup
+        self._cache, self._store, self._admission, self._one_call = cache, store, admission, lookup
+        self.round_trips = round_trips
+        separate = SeparateCalls(cache, store, admission, round_trips)
+        self._lookup: BatchLookup = OneCallFirst(lookup, separate, round_trips) if lookup is not None else separate
         # NOTE: one thread: a prediction that overran its budget keeps the thread
         # busy, so the next batch also misses and degrades instead of piling up
         # CPU-bound work on 2 cores.
@@ -265,6 +254,25 @@ class Scorer:
         self._shadow_running: asyncio.Future[Any] | None = None
         self.shadow_skipped = 0
         """Batches left without shadow scores because the previous shadow prediction still ran."""
+
+    @property
+    def cache(self) -> DecisionCache:
+        """The decision cache (the agent stores and holds decisions in it)."""
+        return self._cache
+
+    @property
+    def store(self) -> FeatureStore:
+        return self._store
+
+    @property
+    def admission(self) -> Admission | None:
+        """Authentication, replay guard and rate limits; None trusts every producer."""
+        return self._admission
+
+    @property
+    def lookup(self) -> BatchLookup | None:
+        """The one-call lookup given (None: the separate calls only)."""
+        return self._one_call
 
     def swap(self, **parts: Any) -> None:
         """Replace ``model``, ``rules``, ``shadow`` and/or ``drift``. Call between
@@ -298,161 +306,102 @@ class Scorer:
             return self._reject_all(batch, exc)
 
     async def _score(self, batch: Sequence[Inbound]) -> BatchOutput:
-        clock = _Clock()
+        clock = StageClock()
         now = self.wall_clock()
         out = BatchOutput()
         stats: Counter[str] = Counter(batch=len(batch))
 
         # 1. authenticate, then validate
-        valid, auths = self._validate(batch, out, now, stats)
+        valid, requests = self._validate(batch, out, now, stats)
         clock.lap("validate")
 
-        # 2. cache, 2b. admission, 3. enrichment: one Redis call where the lookup can make it
-        staged = None
-        if self.lookup is not None and valid:
-            staged = await self._in_one_call(valid, auths, out, now, stats, clock)
-        if staged is None:
-            staged = await self._in_separate_calls(valid, auths, out, now, stats, clock)
-        fresh, followers, unchecked, evidence = staged
+        # 2. look up: cached decisions, admission, features (pipeline/lookup.py)
+        answer = await self._lookup.look_up(requests, clock) if requests else NOTHING_FOUND
+        staged = self._stage(valid, answer, out, now, stats, clock)
 
-        # 4. ensemble under its budget
-        await self._predict_under_budget(evidence)
+        # 3. ensemble under its budget
+        await self._predict_under_budget(staged.evidence)
         clock.lap("model")
 
-        # 5. rules and the decision
-        drafts = self._decide(fresh, evidence, unchecked)
+        # 4. rules and the decision
+        drafts = self._decide(staged.fresh, staged.evidence)
         clock.lap("rules")
 
-        # 6. emit: decisions with their feedback, in-batch resends, monitoring, the shadow's share
-        records, feedback_docs = self._emit_decisions(out, drafts, evidence, unchecked, clock, stats)
-        for msg, tx, leader in followers:  # resent within this very batch
-            self._emit_cached(out, msg, tx, records[leader], clock)
-            stats["cached"] += 1
-        self._emit_monitoring(out, stats, clock, evidence)
-        if self.shadow is not None and evidence.matrix is not None:
-            tallies = [draft.tally for draft in drafts]
-            out.shadow = _ShadowWork(
-                self.shadow, evidence.matrix, evidence.txs, tallies, list(range(len(out.feedback))), feedback_docs
-            )
+        # 5. emit: decisions with their feedback, in-batch copies, monitoring, the shadow's share
+        self._emit(out, drafts, staged, stats, clock)
         return out
 
-    async def _in_separate_calls(
+    def _validate(
+        self, batch: Sequence[Inbound], out: BatchOutput, now: float, stats: Counter[str]
+    ) -> tuple[list[tuple[Inbound, Transaction]], list[Request]]:
+        """Authenticate and validate each message; rejections go to ``out`` here.
+        Returns the valid ones and, index for index, what the look-up asks about them."""
+        valid: list[tuple[Inbound, Transaction]] = []
+        requests: list[Request] = []
+        admission = self._admission
+        for msg in batch:
+            auth = admission.authenticate(msg.value, msg.headers, now) if admission else UNSIGNED
+            if isinstance(auth, Rejection):
+                self._refuse(out, msg, auth, now, stats)
+                continue
+            checked = validate(msg.value, now, self.limits)
+            if isinstance(checked, Rejection):
+                self._refuse(out, msg, checked, now, stats)
+                continue
+            valid.append((msg, checked))
+            requests.append(Request(checked, auth, f"{msg.partition}:{msg.offset}"))
+        return valid, requests
+
+    def _stage(
         self,
         valid: list[tuple[Inbound, Transaction]],
-        auths: dict[int, AuthResult],
+        answer: BatchAnswer,
         out: BatchOutput,
         now: float,
         stats: Counter[str],
-        clock: _Clock,
+        clock: StageClock,
     ) -> _Staged:
-        """Cache, admission and enrichment as three Redis calls in turn (a Redis
-        Cluster, the in-memory fakes, or a batch whose one call failed)."""
-        # 2. cache: resends are answered as before and go no further
-        fresh, followers, hits, unchecked = await self._answer_from_cache(valid, stats)
-        clock.lap("cache")
-        for msg, tx, hit in hits:  # emitted after the lap, so their latency shows every stage so far
-            self._emit_cached(out, msg, tx, hit, clock)
-
-        # 2b. admission: replays and rate limits, for what the cache did not answer
-        if self.admission is not None and fresh:
-            fresh, followers = await self._admit(fresh, followers, auths, out, now, stats)
-        clock.lap("validate")  # replay and rate checks count as admission, i.e. validation
-
-        # 3. enrich: one round trip for the batch
-        evidence = await self._enrich([tx for _, tx in fresh])
-        clock.lap("features")
-        return fresh, followers, unchecked, evidence
-
-    async def _in_one_call(
-        self,
-        valid: list[tuple[Inbound, Transaction]],
-        auths: dict[int, AuthResult],
-        out: BatchOutput,
-        now: float,
-        stats: Counter[str],
-        clock: _Clock,
-    ) -> _Staged | None:
-        """Cache, admission and enrichment in one Redis call (pipeline/redis_batch.py);
-        None, with nothing done to ``out``, when the call failed.
-
-        Stage times (``stage_ms``, each decision's ``latency_ms``): the lookup
-        (this worker's memory, the call, reading its reply: the decisions,
-        profiles and velocity windows) is charged to ``cache``, the first stage
-        it serves and the one its hits are emitted after; applying admission's
-        verdicts to ``validate``; the feature rows to ``features``. So next to
-        the separate calls ``cache`` grows by what ``validate`` and
-        ``features`` lose: compare their sum."""
-        assert self.lookup is not None
-        requests = [Request(tx, auths[id(msg)], f"{msg.partition}:{msg.offset}") for msg, tx in valid]
-        try:
-            answer = await self.lookup.look_up(requests)
-        except BatchLookupError as exc:
-            # NOTE: nothing of the call can be assumed undone: if it ran but its
-            # reply was lost, the separate calls charge those tokens again.
-            log.warning("the batch's one Redis call failed (%r): making the separate calls", exc)
-            stats["one_call_failed"] += 1
-            return None
+        """Apply the look-up's answer: cached decisions emitted, second copies
+        set aside, the refused rejected (their copies with them), the features
+        of the rest turned into rows; charged to ``cache``, ``validate`` and
+        ``features`` on top of what the look-up lapped of its own calls (the
+        one call laps nothing: all of it is ``cache``, so compare the sum of
+        the three with the separate calls')."""
+        for incident in answer.incidents:
+            stats[incident] += 1
         fresh: list[tuple[Inbound, Transaction]] = []
-        followers: list[tuple[Inbound, Transaction, int]] = []
+        copies: list[tuple[Inbound, Transaction, int]] = []
         answered: list[tuple[Inbound, Transaction, dict[str, Any]]] = []
+        verdicts: list[Rejection | None] = []
         in_fresh: dict[int, int] = {}  # index in valid -> index in fresh
         for i, ((msg, tx), hit, first) in enumerate(zip(valid, answer.hits, answer.follows)):
             if hit is not None:
                 answered.append((msg, tx, hit))
                 stats["cached"] += 1
             elif first is not None:
-                followers.append((msg, tx, in_fresh[first]))
+                copies.append((msg, tx, in_fresh[first]))
             else:
                 in_fresh[i] = len(fresh)
                 fresh.append((msg, tx))
+                verdicts.append(answer.verdicts[i])
         clock.lap("cache")
-        for msg, tx, hit in answered:
+        for msg, tx, hit in answered:  # emitted after the lap, so their latency shows every stage so far
             self._emit_cached(out, msg, tx, hit, clock)
-
-        verdicts = [answer.verdicts[i] for i in in_fresh]
-        fresh, followers = self._apply_verdicts(fresh, followers, verdicts, out, now, stats)
+        fresh, copies = self._apply_verdicts(fresh, copies, verdicts, out, now, stats)
         clock.lap("validate")
+        evidence = self._evidence([tx for _, tx in fresh], answer)
+        clock.lap("features")
+        return _Staged(fresh, copies, evidence)
 
-        evidence = _Evidence([tx for _, tx in fresh])
-        if evidence.txs:
+    def _evidence(self, txs: list[Transaction], answer: BatchAnswer) -> _Evidence:
+        """The admitted transactions with their features and feature rows; no
+        features (the batch degrades to rules) when the store failed."""
+        evidence = _Evidence(txs, answer.unchecked)
+        if txs:
             evidence.enrichments = answer.enrichments
             if answer.enrich_error is not None:
                 evidence.degraded_reason = "feature store unavailable"
-                log.warning("feature store failed (%r): %d decisions degrade to rules",
-                            answer.enrich_error, len(evidence.txs))  # fmt: skip
-        self._feature_rows(evidence)
-        clock.lap("features")
-        return fresh, followers, set(), evidence
-
-    def _validate(
-        self, batch: Sequence[Inbound], out: BatchOutput, now: float, stats: Counter[str]
-    ) -> tuple[list[tuple[Inbound, Transaction]], dict[int, AuthResult]]:
-        """Authenticate and validate each message; rejections go to ``out`` here.
-        Returns the valid ones and, by ``id`` of the message, how each authenticated."""
-        valid: list[tuple[Inbound, Transaction]] = []
-        auths: dict[int, AuthResult] = {}
-        for msg in batch:
-            auth = self.admission.authenticate(msg.value, msg.headers, now) if self.admission else UNSIGNED
-            checked = auth if isinstance(auth, Rejection) else validate(msg.value, now, self.limits)
-            if isinstance(checked, Rejection):
-                self._reject(out, msg, checked, now)
-                stats["rejected"] += 1
-                stats[f"rejected_{checked.code}"] += 1
-            else:
-                valid.append((msg, checked))
-                auths[id(msg)] = auth  # type: ignore[assignment]
-        return valid, auths
-
-    async def _enrich(self, txs: list[Transaction]) -> _Evidence:
-        """Profiles, merchant risk and velocity for the batch in one feature store
-        round trip, and the feature rows built from them; none if the store failed."""
-        evidence = _Evidence(txs)
-        if txs:
-            try:
-                evidence.enrichments = await self.store.enrich(txs)
-            except Exception as exc:
-                evidence.degraded_reason = "feature store unavailable"
-                log.warning("feature store failed (%r): %d decisions degrade to rules", exc, len(txs))
+                log.warning("feature store failed (%r): %d decisions degrade to rules", answer.enrich_error, len(txs))
         self._feature_rows(evidence)
         return evidence
 
@@ -474,9 +423,7 @@ class Scorer:
         elif evidence.txs and self.model is None:
             evidence.degraded_reason = evidence.degraded_reason or "no model loaded"
 
-    def _decide(
-        self, fresh: list[tuple[Inbound, Transaction]], evidence: _Evidence, unchecked: set[str]
-    ) -> list[_Draft]:
+    def _decide(self, fresh: list[tuple[Inbound, Transaction]], evidence: _Evidence) -> list[_Draft]:
         """Rules over each score (or none: degraded), the action and its explanation."""
         prediction, rows, scores = evidence.prediction, evidence.rows, evidence.scores
         drafts = []
@@ -489,7 +436,7 @@ class Scorer:
             if score is None:
                 words.append(f"degraded: {evidence.degraded_reason}")
             action = outcome.action
-            if tx.transaction_id in unchecked:
+            if tx.transaction_id in evidence.unchecked:
                 # Maybe a resend of a payment decided before: never approve what
                 # might have been declined (pipeline/cache.py, LocalFirstCache).
                 action = "review" if action == "approve" else action
@@ -497,14 +444,24 @@ class Scorer:
             drafts.append(_Draft(msg, tx, score, action, words, outcome.rule, tally))
         return drafts
 
+    def _emit(
+        self, out: BatchOutput, drafts: list[_Draft], staged: _Staged, stats: Counter[str], clock: StageClock
+    ) -> None:
+        """Decisions with their feedback, the in-batch copies, monitoring, the shadow's share."""
+        evidence = staged.evidence
+        records, feedback_docs = self._emit_decisions(out, drafts, evidence, clock, stats)
+        for msg, tx, first in staged.copies:  # resent within this very batch
+            self._emit_cached(out, msg, tx, records[first], clock)
+            stats["cached"] += 1
+        self._emit_monitoring(out, stats, clock, evidence)
+        if self.shadow is not None and evidence.matrix is not None:
+            tallies = [draft.tally for draft in drafts]
+            out.shadow = _ShadowWork(
+                self.shadow, evidence.matrix, evidence.txs, tallies, list(range(len(out.feedback))), feedback_docs
+            )
+
     def _emit_decisions(
-        self,
-        out: BatchOutput,
-        drafts: list[_Draft],
-        evidence: _Evidence,
-        unchecked: set[str],
-        clock: _Clock,
-        stats: Counter[str],
+        self, out: BatchOutput, drafts: list[_Draft], evidence: _Evidence, clock: StageClock, stats: Counter[str]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Each draft's decision (also to cache) and feedback record; returns both
         documents, index for index with ``drafts``."""
@@ -527,7 +484,7 @@ class Scorer:
                 latency_ms=self._latency(msg, clock, decided),
                 correlation_id=msg.correlation_id,
                 decided_at=decided,
-                provisional=tx.transaction_id in unchecked,
+                provisional=tx.transaction_id in evidence.unchecked,
             )
             record = decision.to_dict()
             records.append(record)
@@ -541,10 +498,10 @@ class Scorer:
             out.add("feedback", tx.transaction_id.encode(), orjson.dumps(doc))
             stats[action] += 1
             stats["degraded"] += score is None
-            stats["provisional"] += tx.transaction_id in unchecked
+            stats["provisional"] += tx.transaction_id in evidence.unchecked
         return records, feedback_docs
 
-    def _emit_monitoring(self, out: BatchOutput, stats: Counter[str], clock: _Clock, evidence: _Evidence) -> None:
+    def _emit_monitoring(self, out: BatchOutput, stats: Counter[str], clock: StageClock, evidence: _Evidence) -> None:
         """The batch's monitoring record, plus a drift window when one closes."""
         scores = evidence.scores
         out.monitoring = self._monitoring(stats, clock, scores, evidence.degraded_reason if stats["degraded"] else None)
@@ -570,7 +527,7 @@ class Scorer:
             return
         try:
             await self._shadow(out, work)
-        except Exception:  # NOTE: the agent retries emit() on errors: this must never raise
+        except Exception:  # NOTE: a raise would stop the scoring loop: the shadow must never cost a batch
             log.exception("shadow model %s: batch left without shadow scores", work.model.version)
 
     async def _shadow(self, out: BatchOutput, work: _ShadowWork) -> None:
@@ -610,34 +567,17 @@ class Scorer:
             "score_histogram": {"bins": _SCORE_BIN_LABELS, "counts": hist},
         }))  # fmt: skip
 
-    async def _admit(
-        self,
-        fresh: list[tuple[Inbound, Transaction]],
-        followers: list[tuple[Inbound, Transaction, int]],
-        auths: dict[int, AuthResult],
-        out: BatchOutput,
-        now: float,
-        stats: Counter[str],
-    ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
-        assert self.admission is not None
-        verdicts, unavailable = await self.admission.admit(
-            [(auths[id(msg)], f"{msg.partition}:{msg.offset}", tx.transaction_id, tx.user_id) for msg, tx in fresh]
-        )
-        for name in unavailable:
-            stats[f"{name}_unavailable"] += 1
-        return self._apply_verdicts(fresh, followers, verdicts, out, now, stats)
-
     def _apply_verdicts(
         self,
         fresh: list[tuple[Inbound, Transaction]],
-        followers: list[tuple[Inbound, Transaction, int]],
+        copies: list[tuple[Inbound, Transaction, int]],
         verdicts: list[Rejection | None],
         out: BatchOutput,
         now: float,
         stats: Counter[str],
     ) -> tuple[list[tuple[Inbound, Transaction]], list[tuple[Inbound, Transaction, int]]]:
         """Reject the refused (and their in-batch copies); the admitted, with
-        their copies' leaders renumbered."""
+        their copies' first copies renumbered."""
         kept: list[tuple[Inbound, Transaction]] = []
         moved: dict[int, int] = {}
         for i, ((msg, tx), verdict) in enumerate(zip(fresh, verdicts)):
@@ -645,17 +585,21 @@ class Scorer:
                 moved[i] = len(kept)
                 kept.append((msg, tx))
             else:
-                self._reject(out, msg, verdict, now)
-                stats["rejected"] += 1
-                stats[f"rejected_{verdict.code}"] += 1
+                self._refuse(out, msg, verdict, now, stats)
         still: list[tuple[Inbound, Transaction, int]] = []
-        for msg, tx, leader in followers:
-            if leader in moved:
-                still.append((msg, tx, moved[leader]))
+        for msg, tx, first in copies:
+            if first in moved:
+                still.append((msg, tx, moved[first]))
             else:  # its first copy was refused: so is this one
-                self._reject(out, msg, verdicts[leader] or Rejection("internal_error", None, "lost leader"), now)
+                self._reject(out, msg, verdicts[first] or Rejection("internal_error", None, "lost leader"), now)
                 stats["rejected"] += 1
         return kept, still
+
+    def _refuse(self, out: BatchOutput, msg: Inbound, why: Rejection, now: float, stats: Counter[str]) -> None:
+        """Reject ``msg`` (``_reject``), counted with its code."""
+        self._reject(out, msg, why, now)
+        stats["rejected"] += 1
+        stats[f"rejected_{why.code}"] += 1
 
     def _tally(self, merchant_id: str) -> MerchantTally | None:
         try:
@@ -664,48 +608,9 @@ class Scorer:
             log.exception("reading the merchant tally failed")
             return None
 
-    async def _answer_from_cache(
-        self,
-        valid: list[tuple[Inbound, Transaction]],
-        stats: Counter[str],
-    ) -> tuple[
-        list[tuple[Inbound, Transaction]],
-        list[tuple[Inbound, Transaction, int]],
-        list[tuple[Inbound, Transaction, dict[str, Any]]],
-        set[str],
-    ]:
-        """Split into the transactions to score, the in-batch resends (with the
-        index of the copy they follow) and the cache hits; plus the ids the
-        cache could not check (their decisions are provisional)."""
-        if not valid:
-            return [], [], [], set()
-        try:
-            hits = await self.cache.get_many([tx for _, tx in valid])
-        except Exception as exc:
-            log.warning("decision cache unavailable (%r): decisions are provisional", exc)
-            hits = [UNCHECKED] * len(valid)
-        unchecked = {tx.transaction_id for (_, tx), hit in zip(valid, hits) if hit is UNCHECKED}
-        hits = [None if hit is UNCHECKED else hit for hit in hits]
-        fresh: list[tuple[Inbound, Transaction]] = []
-        followers: list[tuple[Inbound, Transaction, int]] = []
-        answered: list[tuple[Inbound, Transaction, dict[str, Any]]] = []
-        first_in_batch: dict[str, int] = {}
-        for (msg, tx), hit in zip(valid, hits):
-            if hit is not None:
-                answered.append((msg, tx, hit))
-                stats["cached"] += 1
-                continue
-            keys = (tx.transaction_id, content_hash(tx))
-            leader = next((first_in_batch[k] for k in keys if k in first_in_batch), None)
-            if leader is not None:
-                followers.append((msg, tx, leader))
-                continue
-            for k in keys:
-                first_in_batch[k] = len(fresh)
-            fresh.append((msg, tx))
-        return fresh, followers, answered, unchecked
-
-    def _emit_cached(self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: _Clock) -> None:
+    def _emit_cached(
+        self, out: BatchOutput, msg: Inbound, tx: Transaction, hit: dict[str, Any], clock: StageClock
+    ) -> None:
         record = dict(hit)
         record.update(
             transaction_id=tx.transaction_id,
@@ -744,9 +649,9 @@ class Scorer:
             log.exception("ensemble failed; batch decided by rules")
             return None, f"model failed: {type(exc).__name__}"
 
-    def _latency(self, msg: Inbound, clock: _Clock, decided: float) -> dict[str, float]:
+    def _latency(self, msg: Inbound, clock: StageClock, decided: float) -> dict[str, float]:
         stages = dict(clock.ms)
-        queue = max(0.0, (clock_start_wall(clock, decided) - msg.timestamp) * 1000) if msg.timestamp else 0.0
+        queue = max(0.0, (clock.started_wall(decided) - msg.timestamp) * 1000) if msg.timestamp else 0.0
         stages["queue_wait"] = round(queue, 3)
         stages["total"] = round(queue + clock.elapsed_ms(), 3)
         return stages
@@ -841,7 +746,7 @@ class Scorer:
         }
 
     def _monitoring(
-        self, stats: Counter[str], clock: _Clock, scores: np.ndarray | None, degraded_reason: str | None
+        self, stats: Counter[str], clock: StageClock, scores: np.ndarray | None, degraded_reason: str | None
     ) -> dict[str, Any]:
         hist = score_histogram(scores) if scores is not None and len(scores) else []
         return {
@@ -860,11 +765,6 @@ class Scorer:
 def _predict_scores(model: ScoringModel, matrix: np.ndarray) -> np.ndarray:
     """Scores only: a shadow needs no explanations."""
     return model.predict(matrix, explain_above=None).scores
-
-
-def clock_start_wall(clock: _Clock, decided_wall: float) -> float:
-    """Wall-clock time at which the batch started (for queue wait)."""
-    return decided_wall - (time.perf_counter() - clock.start)
 
 
 def _fallback_score(action: str) -> float:

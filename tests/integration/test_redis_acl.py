@@ -36,9 +36,11 @@ from pipeline.auth import AuthResult, RedisReplayGuard
 from pipeline.cache import RedisDecisionCache
 from pipeline.feature_store import RedisFeatureStore
 from pipeline.labels import Label
+from pipeline.lookup import Request
 from pipeline.quality import RedisQualityStore, Served
 from pipeline.ratelimit import RedisRateLimiter
-from pipeline.redis_batch import RedisBatchLookup, Request
+from pipeline.redis_batch import RedisBatchLookup
+from pipeline.timing import StageClock
 from tools import stack
 from tools.materialize import materialize
 
@@ -189,7 +191,7 @@ async def worker_code(settings: Settings) -> None:
         signed = AuthResult("pos-cmd-one", "sig-cmd-one", 1_800_000_000_000)
         answer = await lookup.look_up([
             Request(txs[0], signed, "0:9"), Request(fresh, signed, "0:10"), Request(fresh, signed, "0:11"),
-        ])  # fmt: skip
+        ], StageClock())  # fmt: skip
         assert answer.hits[0] is not None and answer.follows[2] == 1 and answer.enrichments
         store = RedisQualityStore(client, prefix="quality:cmd:", max_joined=2)
         now = 1_800_000_000.0

@@ -28,10 +28,10 @@ def signed(value: bytes, offset: int, client: str = "pos-1", key: bytes = KEY, s
     return Inbound(value, headers, time.time(), partition=0, offset=offset)
 
 
-def scorer(**admission: Any) -> Scorer:
+def scorer(cache: InMemoryDecisionCache | None = None, **admission: Any) -> Scorer:
     return Scorer(
         model=ConstantModel(0.05, version="low-1"), rules=RULES, store=InMemoryFeatureStore(),
-        cache=InMemoryDecisionCache(), admission=Admission(keys={"pos-1": KEY}, **admission),
+        cache=cache or InMemoryDecisionCache(), admission=Admission(keys={"pos-1": KEY}, **admission),
     )
 
 
@@ -68,9 +68,9 @@ def test_unsigned_traffic_only_when_allowed() -> None:
 
 
 def test_a_replay_is_refused_but_a_redelivery_is_not() -> None:
-    s = scorer(replay=InMemoryReplayGuard())
+    # No cache: the guard alone must tell them apart.
+    s = scorer(cache=InMemoryDecisionCache(ttl_s=0), replay=InMemoryReplayGuard())
     first = signed(tx(1), 10)
-    s.cache = InMemoryDecisionCache(ttl_s=0)  # no cache: the guard alone must tell them apart
     run(s, [first])
     redelivered, _ = run(s, [Inbound(first.value, first.headers, time.time(), 0, 10)])
     replayed, dlq = run(s, [Inbound(first.value, first.headers, time.time(), 0, 11)])

@@ -18,19 +18,43 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from app.contract import Transaction
 from app.errors import BatchLookupError, FeatureStoreError
 from pipeline.admission import Admission
-from pipeline.auth import InMemoryReplayGuard, RedisReplayGuard
+from pipeline.auth import UNSIGNED, InMemoryReplayGuard, RedisReplayGuard
 from pipeline.cache import InMemoryDecisionCache, LocalFirstCache, RedisDecisionCache
 from pipeline.feature_store import Enrichment, InMemoryFeatureStore, RedisFeatureStore
 from pipeline.features import velocity_from_events
-from pipeline.ratelimit import RateDecision, RedisRateLimiter
-from pipeline.redis_batch import BatchAnswer, RedisBatchLookup, Request
+from pipeline.lookup import BatchAnswer, Request, SeparateCalls
+from pipeline.ratelimit import InMemoryRateLimiter, RateDecision, RedisRateLimiter
+from pipeline.redis_batch import RedisBatchLookup
 from pipeline.scorer import BatchOutput, Inbound, Scorer
+from pipeline.timing import Laps
 from pipeline.validate import Rejection
 from tests.factories import RULES, ConstantModel, tx_bytes
 
 NO_VELOCITY = velocity_from_events(np.array([]), np.array([]), 0.0)
+
+
+class Trips:
+    """A RoundTrips observer that remembers each (operation, failed)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool]] = []
+
+    def observe_round_trip(self, op: str, seconds: float, failed: bool) -> None:
+        assert seconds >= 0
+        self.seen.append((op, failed))
+
+
+class Stages:
+    """A stage clock that remembers the order of its laps."""
+
+    def __init__(self) -> None:
+        self.laps: list[str] = []
+
+    def lap(self, stage: str) -> None:
+        self.laps.append(stage)
 
 
 class ScriptedLookup:
@@ -40,7 +64,7 @@ class ScriptedLookup:
         self.answer = answer
         self.asked: list[list[Request]] = []
 
-    async def look_up(self, requests: Sequence[Request]) -> BatchAnswer:
+    async def look_up(self, requests: Sequence[Request], laps: Laps) -> BatchAnswer:
         self.asked.append(list(requests))
         return self.answer(requests)
 
@@ -123,6 +147,20 @@ def test_a_failed_call_makes_the_separate_calls_for_that_batch() -> None:
     assert set(store.events["u-1"]) == {"t-1", "t-3"}  # enriched by the separate call
 
 
+def test_a_failed_call_is_a_failed_round_trip_then_each_separate_call_is_timed() -> None:
+    def fail(requests: Sequence[Request]) -> BatchAnswer:
+        raise BatchLookupError(len(requests), "Redis call failed: TimeoutError()")
+
+    trips = Trips()
+    s = Scorer(
+        model=ConstantModel(0.05, version="low-1"), rules=RULES, store=InMemoryFeatureStore(),
+        cache=InMemoryDecisionCache(), lookup=ScriptedLookup(fail), round_trips=trips,
+    )  # fmt: skip
+    run(s, [msg(1, 1)])
+    run(s, [Inbound(b"not json", offset=2)])  # nothing valid: nothing asked, nothing timed
+    assert trips.seen == [("batch_lookup", True), ("cache_get", False), ("enrich", False)]
+
+
 def test_a_batch_of_only_rejects_asks_nothing() -> None:
     lookup = ScriptedLookup(lambda r: pytest.fail("asked"))  # type: ignore[arg-type, return-value]
     out = run(scorer(lookup), [Inbound(b"not json", offset=1)])
@@ -158,3 +196,60 @@ def test_not_built_on_a_cluster_nor_with_in_memory_or_foreign_parts() -> None:
     assert RedisBatchLookup.build(client, cache, store, in_memory_guard) is None
     other = aioredis.Redis(port=2)
     assert RedisBatchLookup.build(client, cache, RedisFeatureStore(other), admission) is None
+
+
+# --- the separate calls ------------------------------------------------------------
+
+
+def tx(i: int, user: str = "u-1") -> Transaction:
+    return Transaction(f"t-{i}", user, 10.0 + i, "m-1", time.time())
+
+
+def ask(lookup: SeparateCalls, txs: list[Transaction], stages: Laps | None = None) -> BatchAnswer:
+    requests = [Request(t, UNSIGNED, f"0:{n}") for n, t in enumerate(txs)]
+    return asyncio.run(lookup.look_up(requests, stages or Stages()))
+
+
+class Down:
+    """A decision cache and a rate limiter whose Redis does not answer."""
+
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        raise TimeoutError("Timeout reading from socket")
+
+    async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
+        raise TimeoutError("Timeout writing to socket")
+
+    async def allow(self, requests: Sequence[tuple[str, str]]) -> list[RateDecision]:
+        raise TimeoutError("Timeout reading from socket")
+
+
+def test_the_separate_calls_answer_cache_then_admission_then_features_and_time_each() -> None:
+    cache = InMemoryDecisionCache()
+    decided = tx(1)
+    asyncio.run(cache.put_many([(decided, orjson.dumps({"action": "decline"}))]))
+    store = InMemoryFeatureStore()
+    one_per_user = InMemoryRateLimiter(1000, 1000, 0.001, 1)
+    trips, stages = Trips(), Stages()
+    lookup = SeparateCalls(cache, store, Admission(keys={}, allow_unsigned=True, limiter=one_per_user), trips)
+    answer = ask(lookup, [decided, tx(2), tx(2), tx(3), tx(4, user="u-2")], stages)
+    assert answer.hits == [{"action": "decline"}, None, None, None, None]  # a resend: answered, nothing more
+    assert answer.follows == [None, None, 1, None, None]  # t-2's second copy follows its first
+    assert [v.code if v else None for v in answer.verdicts] == [None, None, None, "rate_limited", None]
+    assert answer.enrichments is not None and len(answer.enrichments) == 2  # t-2 and t-4, the admitted
+    assert set(store.events) == {"u-1", "u-2"} and set(store.events["u-1"]) == {"t-2"}  # t-3 was never enriched
+    assert answer.unchecked == frozenset() and answer.incidents == () and answer.enrich_error is None
+    assert stages.laps == ["cache", "validate", "features"]
+    assert trips.seen == [("cache_get", False), ("rate_limit", False), ("enrich", False)]
+
+
+def test_what_the_separate_calls_cannot_ask_is_unchecked_admitted_or_unenriched() -> None:
+    store = InMemoryFeatureStore()
+    trips = Trips()
+    lookup = SeparateCalls(Down(), store, Admission(keys={}, allow_unsigned=True, limiter=Down()), trips)
+    answer = ask(lookup, [tx(1), tx(2)])
+    assert answer.hits == [None, None] and answer.unchecked == {"t-1", "t-2"}  # provisional, never approved
+    assert answer.verdicts == [None, None] and answer.incidents == ("rate_limiter_unavailable",)  # fail open
+    assert trips.seen == [("cache_get", True), ("rate_limit", True), ("enrich", False)]
+    store.fail = RuntimeError("down")
+    answer = ask(lookup, [tx(3)])
+    assert answer.enrichments is None and isinstance(answer.enrich_error, FeatureStoreError)

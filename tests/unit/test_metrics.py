@@ -61,10 +61,10 @@ def test_counters_follow_batches() -> None:
         keys={}, allow_unsigned=True, replay=InMemoryReplayGuard(),
         limiter=InMemoryRateLimiter(1000, 1000, 1, 2),  # 2 per user, then rate limited
     )  # fmt: skip
-    scorer = metrics.instrument(
-        Scorer(model=ConstantModel(0.95, version=VERSION), rules=RULES, store=InMemoryFeatureStore(),
-               cache=InMemoryDecisionCache(), admission=admission)  # fmt: skip
-    )
+    scorer = Scorer(
+        model=ConstantModel(0.95, version=VERSION), rules=RULES, store=InMemoryFeatureStore(),
+        cache=InMemoryDecisionCache(), admission=admission, round_trips=metrics,
+    )  # fmt: skip
     now = time.time()
     first = [_tx(i, now) for i in range(4)]  # four users, one each: all declined (score 0.95)
     batch = [_inbound(d, i, now - 0.25) for i, d in enumerate(first)]
@@ -106,13 +106,13 @@ def test_counters_follow_batches() -> None:
 def test_degraded_by_reason_and_redis_errors() -> None:
     """A model past its budget degrades the batch: counted with the reason, without the number."""
     metrics = WorkerMetrics(Settings())
-    scorer = metrics.instrument(
-        Scorer(model=ConstantModel(0.1, sleep_s=0.2, version=VERSION), rules=RULES, store=InMemoryFeatureStore(),
-               cache=InMemoryDecisionCache(), model_budget_s=0.01)  # fmt: skip
-    )
+    store = InMemoryFeatureStore()
+    scorer = Scorer(
+        model=ConstantModel(0.1, sleep_s=0.2, version=VERSION), rules=RULES, store=store,
+        cache=InMemoryDecisionCache(), model_budget_s=0.01, round_trips=metrics,
+    )  # fmt: skip
     now = time.time()
     _run_batch(scorer, metrics, [_inbound(_tx(i, now), i, now) for i in range(3)])
-    store = scorer.store._inner  # type: ignore[attr-defined]
     store.fail = RuntimeError("down")
     _run_batch(scorer, metrics, [_inbound(_tx(10 + i, now), 10 + i, now) for i in range(2)])
     s = _samples(metrics)

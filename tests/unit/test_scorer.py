@@ -23,7 +23,7 @@ import pandas as pd
 import pytest
 
 from app.contract import Transaction
-from pipeline.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
+from pipeline.cache import UNCHECKED, DecisionCache, InMemoryDecisionCache, LocalFirstCache
 from pipeline.feature_store import Enrichment, InMemoryFeatureStore
 from pipeline.features import (
     DAY_S,
@@ -119,12 +119,14 @@ def ensemble(trained_registry: Path) -> Any:
     return load_ensemble(trained_registry)
 
 
-def make_scorer(world: World, model: Any, store: InMemoryFeatureStore | None = None, **kw: Any) -> Scorer:
+def make_scorer(
+    world: World, model: Any, store: InMemoryFeatureStore | None = None, cache: DecisionCache | None = None, **kw: Any
+) -> Scorer:
     return Scorer(
         model=model,
         rules=RULES,
         store=store if store is not None else world.store(),
-        cache=InMemoryDecisionCache(),
+        cache=cache if cache is not None else InMemoryDecisionCache(),
         wall_clock=lambda: world.now,
         **kw,
     )
@@ -694,8 +696,7 @@ class StalledCache:
 
 
 def test_a_transaction_the_cache_cannot_check_is_provisional_and_never_approved(world: World, ensemble: Any) -> None:
-    scorer = make_scorer(world, ensemble)
-    scorer.cache = LocalFirstCache(StalledCache(), wait_s=0.03, retry_every_s=0.01)
+    scorer = make_scorer(world, ensemble, cache=LocalFirstCache(StalledCache(), wait_s=0.03, retry_every_s=0.01))
     docs = [world.tx(i) for i in range(12)]
 
     got = decisions(asyncio.run(scorer.score_batch([inbound(d, world) for d in docs])))
@@ -711,8 +712,7 @@ def test_a_resend_on_the_same_worker_is_answered_from_memory_while_redis_is_stal
     world: World, ensemble: Any
 ) -> None:
     shared = InMemoryDecisionCache()
-    scorer = make_scorer(world, ensemble)
-    scorer.cache = LocalFirstCache(shared, wait_s=0.03)
+    scorer = make_scorer(world, ensemble, cache=LocalFirstCache(shared, wait_s=0.03))
     doc = world.tx(3)
     [first] = decisions(score(scorer, [inbound(doc, world, correlation="first")]))
     assert first["provisional"] is False
