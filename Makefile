@@ -134,8 +134,9 @@ test: setup test-tools lint
 	  -m "not cluster and not soak"
 
 # The developer's loop: static checks and the tests that need no broker or
-# Redis (pure stages, the scoring loop on in-memory Kafka and stores), in a
-# few minutes. `make test` runs everything, as CI does.
+# Redis (tests/unit/, a folder per product package: pure stages, the scoring
+# loop on in-memory Kafka and stores), in a few minutes. `make test` runs these
+# and the integration tests, as CI does.
 check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
 

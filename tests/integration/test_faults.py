@@ -741,7 +741,7 @@ def hostile_corpus(n: int) -> list[Hostile]:
     ``@given`` function is *run*, collecting what it is given, so the corpus is what
     a Hypothesis test of ``n`` examples sees; the messages then go through one
     worker together. Shrinking is not available this way: the pure validator has
-    shrinking fuzz tests of its own (tests/unit/test_validate_fuzz.py); this test is
+    shrinking fuzz tests of its own (tests/unit/pipeline/test_validate_fuzz.py); this test is
     about the pipeline around it (headers, sizes, the broker, the DLQ, liveness).
     """
     corpus: list[Hostile] = []

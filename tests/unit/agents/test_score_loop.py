@@ -109,7 +109,7 @@ class Worker:
     ) -> None:  # fmt: skip
         self.kafka = kafka
         # The busy regime throughout: the quiet one is switched into by the rate a
-        # worker measures over seconds (tests/unit/test_pace.py; set directly below).
+        # worker measures over seconds (tests/unit/agents/test_pace.py; set directly below).
         settings = Settings(batch_size=32, batch_window_s=window_s, commit_interval_s=interval_s, quiet_below_tps=0)
         self.stream = ExactlyOnce(
             topic=TOPIC, group_id=GROUP, transactional_id=f"{GROUP}-{TOPIC}-{name}", client_config={},
