@@ -134,11 +134,13 @@ demo: setup
 TEST_PROCS ?= 2
 test: setup test-tools lint
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
-	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_PROCS) --dist loadfile
+	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_PROCS) --dist loadfile \
+	  -m "not cluster and not soak"
 
 # The developer's loop: static checks and the tests that need no broker or
-# Redis (pure stages, the scoring loop on in-memory Kafka and stores), in a
-# few minutes. `make test` runs everything, as CI does.
+# Redis (tests/unit/, a folder per product package: pure stages, the scoring
+# loop on in-memory Kafka and stores), in a few minutes. `make test` runs these
+# and the integration tests, as CI does.
 check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
 
@@ -148,14 +150,18 @@ check: setup lint
 # loss of a broker, of a transaction coordinator and of the Redis primary in one
 # run (tests/integration/test_cluster.py, test_redis_failover.py,
 # test_cluster_faults.py); and the single node killed and restarted under load
-# (test_broker_restart.py). `make test` runs only their fast part.
+# (test_broker_restart.py). Those tests are marked `cluster`; `make test` runs
+# only the rest of these files, this target the four files in full (`-m` here
+# replaces the default `not cluster and not soak`). CLUSTER_FIRST_KILL=controller:
+# the cluster fault test's first kill takes the active KRaft controller.
 test-cluster: setup
 	@mkdir -p .stack
-	FRAUD_CLUSTER=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider \
+	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider -m "not soak" \
 	  tests/integration/test_cluster.py tests/integration/test_redis_failover.py \
 	  tests/integration/test_cluster_faults.py tests/integration/test_broker_restart.py
 
-# The fault and fuzz tests, longer (minutes): more load, longer outages. Then
+# The fault and fuzz tests' soak variants (marked `soak`), longer (minutes):
+# more load, longer outages. Then
 # SOAK_MINUTES of steady load at SOAK_RATE TPS: broker CPU per message, p99 and
 # broker RSS must stay flat (bench/soak.py; bench/results/soak.json and .png).
 soak: setup
@@ -164,7 +170,7 @@ ifeq ($(SOAK_BROKERS),3)
 	  --warmup-minutes $(SOAK_WARMUP)
 else
 	@mkdir -p .stack && rm -f .stack/fault-report.txt
-	FRAUD_SOAK=1 FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_faults.py
+	FRAUD_FAULT_REPORT=.stack/fault-report.txt $(PY) -m pytest -q -p no:cacheprovider -m soak tests/integration/test_faults.py
 	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --rate $(SOAK_RATE) --variant $(SOAK_VARIANT)
 endif
 

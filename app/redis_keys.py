@@ -4,7 +4,7 @@ The bytes of these keys are a storage format: profiles materialized last night,
 velocity sets, decision-cache entries, rate buckets, seen signatures and the
 live quality join are all found again by them, by other processes and by the
 next release. Changing one string here orphans what is already stored, so the
-literal keys are pinned byte for byte in tests/unit/test_redis_keys.py.
+literal keys are pinned byte for byte in tests/unit/app/test_redis_keys.py.
 
 Hash tags (the part in braces) place keys in Redis Cluster slots: whatever one
 command, script or batch touches together for a user carries ``{u:<user>}``

@@ -1,7 +1,7 @@
 """Every reach into faust's and aiokafka's private internals, in one place.
 
 Each seam names the upstream code it depends on and why the public API does not
-suffice; tests/unit/test_seams.py holds a canary per seam that fails when an
+suffice; tests/unit/app/test_seams.py holds a canary per seam that fails when an
 upgrade makes the seam a silent no-op or breaks it. The versions are pinned
 exactly in pyproject.toml for the same reason (faust-streaming 0.15.3,
 aiokafka 0.14.0, mode-streaming 0.7.1).

@@ -28,7 +28,7 @@ PREFIX = "FRAUD_"
 #: ``FRAUD_*`` variables that are read outside :class:`Settings` (by the tests and
 #: the tooling, docs/configuration.md), so the check below accepts them.
 OTHER_VARIABLES = frozenset({
-    "FRAUD_SOAK", "FRAUD_FAULT_REPORT", "FRAUD_REVIEW_SCREENSHOT", "FRAUD_KAFKA_LIB", "FRAUD_UNKNOWN_ENV",
+    "FRAUD_FAULT_REPORT", "FRAUD_REVIEW_SCREENSHOT", "FRAUD_KAFKA_LIB", "FRAUD_UNKNOWN_ENV",
 })  # fmt: skip
 
 

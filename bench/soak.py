@@ -241,7 +241,7 @@ def cluster_services(workdir: Path) -> Iterator[Services]:
     state = workdir / "cluster"
     try:
         env = cluster.cluster_up(state, cluster.Cluster.free())
-        pids = {p.stem: pid for p in sorted(state.glob("*.pid")) if (pid := st._read_pid(p)) is not None}
+        pids = {p.stem: pid for p in sorted(state.glob("*.pid")) if (pid := st.read_pid(p)) is not None}
         yield Services(env["KAFKA_BOOTSTRAP"], env["REDIS_URL"], pids)
     finally:
         cluster.cluster_down(state)

@@ -190,7 +190,7 @@ def merge_members(members: Sequence[Member], active: Sequence[int], weights: np.
     four members cost four of them per batch; merged, the scoring stage's model
     time fell from 2.6-3.1 to 1.6-1.7 ms at one row (``python -m bench.scorer
     --paths members merged``). Built at load time from the registered UBJSON,
-    which stays the source of truth; ``tests/unit/test_registry.py`` holds its
+    which stays the source of truth; ``tests/unit/models/test_registry.py`` holds its
     scores to the members' combination within 1e-5.
     """
     doc: dict[str, Any] | None = None

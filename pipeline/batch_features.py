@@ -7,7 +7,7 @@ the user's transactions up to it: the definitions are those of
 :func:`~pipeline.features.build_user_profiles`,
 :func:`~pipeline.features.build_merchant_risk` and
 :func:`~pipeline.features.velocity_from_events`, written over arrays instead of
-one row at a time. ``tests/unit/test_batch_features.py`` holds the two equal on
+one row at a time. ``tests/unit/pipeline/test_batch_features.py`` holds the two equal on
 the same data (:func:`pipeline.features.rowwise_matrix` runs the serving code
 row by row), so a model trained on these columns is served the same values.
 

@@ -440,7 +440,7 @@ def training_matrix(
 
     Computed vectorised (:func:`pipeline.batch_features.batch_features`); it
     equals :func:`rowwise_matrix`, the serving code applied row by row, on the
-    same data (``tests/unit/test_batch_features.py``). ``progress`` is kept for
+    same data (``tests/unit/pipeline/test_batch_features.py``). ``progress`` is kept for
     callers; the vectorised path has no per-day loop to report.
     """
     from pipeline.batch_features import batch_features

@@ -47,7 +47,19 @@ from app.errors import StackError
 from app.settings import Settings
 from app.topics import ensure_topics, kafka_auth
 from tools import kafka_secure, redis_ha
-from tools import stack as st
+from tools.stack.broker import (
+    BROKER_LOG4J,
+    base_properties,
+    format_log_dir,
+    java_binary,
+    kafka_classpath,
+    new_cluster_id,
+)
+from tools.stack.ports import ensure_port_free, free_ports
+from tools.stack.process import ServiceHandle, runs, spawn
+from tools.stack.readiness import READY_TIMEOUT_S, poll, run_sync, wait_broker_ready
+from tools.stack.secure import PER_ROLE, provision_secure, redis_password_path, role_env
+from tools.stack.state import DEFAULT_STATE_DIR, pid_path, read_env, read_pid, write_env, write_private
 
 __all__ = [
     "CLUSTER_CONFIG", "DEFAULT_BROKER_PORT", "DEFAULT_REDIS_PORT", "Cluster", "cluster_down", "cluster_status",
@@ -74,7 +86,7 @@ CONTROLLER_HEAP = ("-Xms32m", "-Xmx128m")
 CONTROLLER_ID_BASE = 100
 
 #: Settings of the cluster's brokers and controllers beyond the single node's
-#: (``stack.BROKER_CONFIG``). Both roles get all of them: a controller applies
+#: (``tools.stack.broker.BROKER_CONFIG``). Both roles get all of them: a controller applies
 #: the topic defaults (``default.replication.factor``, unclean election) and the
 #: broker sessions, a broker the rest.
 CLUSTER_CONFIG: dict[str, str] = {
@@ -139,7 +151,7 @@ class Cluster:
 
     @classmethod
     def free(cls, brokers: int = 3) -> Cluster:
-        ports = st.free_ports(brokers + CONTROLLERS + 6)  # all different (st.free_ports)
+        ports = free_ports(brokers + CONTROLLERS + 6)  # all different (free_ports)
         return cls(tuple(ports[:brokers]), tuple(ports[brokers : brokers + CONTROLLERS]), tuple(ports[-6:-3]),
                    tuple(ports[-3:]))  # fmt: skip
 
@@ -150,7 +162,7 @@ def controller_id(index: int) -> int:
 
 
 def default_state_dir(secure: bool) -> Path:
-    return st.DEFAULT_STATE_DIR / ("cluster-secure" if secure else "cluster")
+    return DEFAULT_STATE_DIR / ("cluster-secure" if secure else "cluster")
 
 
 # --- up ----------------------------------------------------------------------
@@ -169,11 +181,11 @@ def cluster_up(state_dir: Path, cluster: Cluster, *, secure: bool = False) -> di
     live = _live(state_dir)
     if live and len(live) == len(_names(state_dir)) and (state_dir / "env").exists():
         logger.info("cluster already up in %s (%s)", state_dir, ", ".join(live))
-        return st._read_env(state_dir / "env")
+        return read_env(state_dir / "env")
     if live:
         raise StackError(f"part of the cluster in {state_dir} runs ({', '.join(live)}): "
                          f"`python -m tools.stack down --brokers {len(cluster.brokers)}` first")  # fmt: skip
-    started: list[st.ServiceHandle] = []
+    started: list[ServiceHandle] = []
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             # Redis needs no JVM: it starts while they do (~2.5 s less to wait).
@@ -188,34 +200,34 @@ def cluster_up(state_dir: Path, cluster: Cluster, *, secure: bool = False) -> di
             ha = redis_job.result()
         for handle in [*ha.nodes, *ha.sentinels]:
             started.append(handle)
-            st._pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
+            pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
         if kafka_error is not None:
             raise kafka_error
-        st._run_sync(_provision(state_dir, cluster, secure))
+        run_sync(_provision(state_dir, cluster, secure))
     except BaseException:
         for handle in reversed(started):
             handle.stop()
-            st._pid_path(state_dir, handle.name).unlink(missing_ok=True)
+            pid_path(state_dir, handle.name).unlink(missing_ok=True)
         raise
     env = {"KAFKA_BOOTSTRAP": cluster.bootstrap, "REDIS_URL": cluster.redis_url}
     if secure:
         client = kafka_secure.client_env(state_dir, "", cluster.bootstrap)
-        env.update({k: v for k, v in client.items() if k not in st._PER_ROLE and k != "FRAUD_KAFKA_BOOTSTRAP"})
-    st._write_env(state_dir / "env", env)
+        env.update({k: v for k, v in client.items() if k not in PER_ROLE and k != "FRAUD_KAFKA_BOOTSTRAP"})
+    write_env(state_dir / "env", env)
     return env
 
 
-def _start_kafka(state_dir: Path, cluster: Cluster, secure: bool, started: list[st.ServiceHandle]) -> None:
+def _start_kafka(state_dir: Path, cluster: Cluster, secure: bool, started: list[ServiceHandle]) -> None:
     """Format each process's log dir with one cluster id (concurrently: a JVM
     each), start the controllers and the brokers, wait for each (a broker
     answers once the quorum has a leader: two controllers up)."""
     for port in cluster.brokers:
-        st._ensure_port_free(port, "broker")
+        ensure_port_free(port, "broker")
     for port in cluster.controllers:
-        st._ensure_port_free(port, "controller")
+        ensure_port_free(port, "controller")
     if secure:
         kafka_secure.ensure_material(state_dir)
-    cluster_id = st.new_cluster_id()
+    cluster_id = new_cluster_id()
     names = [*(f"controller-{i}" for i in range(1, len(cluster.controllers) + 1)),
              *(f"broker-{i}" for i in range(1, len(cluster.brokers) + 1))]  # fmt: skip
     configs = {name: _write_config(state_dir, name, cluster, secure) for name in names}
@@ -223,7 +235,7 @@ def _start_kafka(state_dir: Path, cluster: Cluster, secure: bool, started: list[
     # The SCRAM credentials go into the metadata log, which the controllers write.
     scram = kafka_secure.format_scram_args(state_dir) if secure else []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(fresh))) as pool:
-        jobs = [pool.submit(st._format_log_dir, _jvm(state_dir, name, tool=True), configs[name], _node_log(state_dir, name),
+        jobs = [pool.submit(format_log_dir, _jvm(state_dir, name, tool=True), configs[name], _node_log(state_dir, name),
                             scram if name.startswith("controller") else [], cluster_id)
                 for name in fresh]  # fmt: skip
         for job in jobs:
@@ -233,18 +245,18 @@ def _start_kafka(state_dir: Path, cluster: Cluster, secure: bool, started: list[
         handle = _spawn_node(state_dir, name)
         started.append(handle)
         handles.append(handle)
-        st._pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
+        pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
     for handle in handles:
         _wait_ready(state_dir, handle, secure)
 
 
-def start_node(state_dir: Path, index: int, role: str = "broker") -> st.ServiceHandle:
+def start_node(state_dir: Path, index: int, role: str = "broker") -> ServiceHandle:
     """(Re)start broker (or controller) ``index`` from its config and log dir
     (after a ``kill -9``, as the fault tests do); return once it answers (a
     broker: metadata; a controller: ApiVersions). Its PID file is rewritten."""
     state_dir = state_dir.resolve()
     handle = _spawn_node(state_dir, f"{role}-{index}")
-    st._pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
+    pid_path(state_dir, handle.name).write_text(f"{handle.pid}\n")
     secure = "SASL_PLAINTEXT" in _read_config(state_dir, handle.name)["listener.security.protocol.map"]
     _wait_ready(state_dir, handle, secure)
     return handle
@@ -255,23 +267,23 @@ def _read_config(state_dir: Path, name: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in config.read_text().splitlines() if "=" in line)
 
 
-def _spawn_node(state_dir: Path, name: str) -> st.ServiceHandle:
+def _spawn_node(state_dir: Path, name: str) -> ServiceHandle:
     """Start broker or controller ``name`` (``broker-2``, ``controller-1``); its URL is where it listens."""
     config = _node_dir(state_dir, name) / "server.properties"
     port = _read_config(state_dir, name)["listeners"].split(",")[0].rsplit(":", 1)[1]
-    return st._spawn(name, [*_jvm(state_dir, name), "kafka.Kafka", str(config)], f"127.0.0.1:{port}",
+    return spawn(name, [*_jvm(state_dir, name), "kafka.Kafka", str(config)], f"127.0.0.1:{port}",
                      _node_log(state_dir, name))  # fmt: skip
 
 
-def _wait_ready(state_dir: Path, handle: st.ServiceHandle, secure: bool) -> None:
+def _wait_ready(state_dir: Path, handle: ServiceHandle, secure: bool) -> None:
     if handle.name.startswith("controller"):
         _poll_controller(state_dir, handle, secure)
     else:
         options = _admin_options(state_dir, handle.url, secure)
-        st.wait_broker_ready(handle.url, pid=handle.pid, log_path=handle.log_path, client=options)
+        wait_broker_ready(handle.url, pid=handle.pid, log_path=handle.log_path, client=options)
 
 
-def _poll_controller(state_dir: Path, handle: st.ServiceHandle, secure: bool) -> None:
+def _poll_controller(state_dir: Path, handle: ServiceHandle, secure: bool) -> None:
     """Until the controller answers ApiVersions on its listener (on the secure
     stack after SASL PLAIN as ``admin``, as the brokers reach it). A controller
     answers no Metadata request; the quorum's leader shows in the brokers'
@@ -290,14 +302,14 @@ def _poll_controller(state_dir: Path, handle: st.ServiceHandle, secure: bool) ->
                                  request_timeout_ms=max(100, int(limit * 1000)), **options)  # fmt: skip
         conn.close()
 
-    st._poll("controller", handle.url, lambda limit: st._run_sync(api_versions(limit)), st.READY_TIMEOUT_S,
+    poll("controller", handle.url, lambda limit: run_sync(api_versions(limit)), READY_TIMEOUT_S,
              handle.pid, handle.log_path)  # fmt: skip
 
 
 def broker_properties(state_dir: Path, index: int, cluster: Cluster) -> dict[str, str]:
     """Broker ``index``'s plaintext settings (``process.roles=broker``, node id ``index``)."""
     port = cluster.brokers[index - 1]
-    props = st._broker_properties(port, cluster.controllers[0], _node_dir(state_dir, f"broker-{index}") / "kafka-logs")
+    props = base_properties(port, cluster.controllers[0], _node_dir(state_dir, f"broker-{index}") / "kafka-logs")
     props.update(CLUSTER_CONFIG)
     props.update({"process.roles": "broker", "node.id": str(index), "controller.quorum.voters": cluster.quorum_voters,
                   "listeners": f"PLAINTEXT://127.0.0.1:{port}"})  # fmt: skip
@@ -308,7 +320,7 @@ def controller_properties(state_dir: Path, index: int, cluster: Cluster) -> dict
     """Controller ``index``'s plaintext settings (``process.roles=controller``,
     node id :func:`controller_id`): the controller listener only."""
     port = cluster.controllers[index - 1]
-    props = st._broker_properties(port, port, _node_dir(state_dir, f"controller-{index}") / "kafka-logs")
+    props = base_properties(port, port, _node_dir(state_dir, f"controller-{index}") / "kafka-logs")
     props.update(CLUSTER_CONFIG)
     for key in ("advertised.listeners", "inter.broker.listener.name"):  # a broker's, refused on a controller
         del props[key]
@@ -331,8 +343,8 @@ def _write_config(state_dir: Path, name: str, cluster: Cluster, secure: bool) ->
         if secure:
             props.update(kafka_secure.secure_properties(state_dir, None, cluster.controllers[index - 1]))
     config = node_dir / "server.properties"
-    st._write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
-    (node_dir / "broker-log4j.properties").write_text(st._BROKER_LOG4J)
+    write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
+    (node_dir / "broker-log4j.properties").write_text(BROKER_LOG4J)
     return config
 
 
@@ -347,8 +359,8 @@ def _jvm(state_dir: Path, name: str, *, tool: bool = False) -> list[str]:
         flags = [*CONTROLLER_HEAP, "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
     else:
         flags = [*NODE_HEAP, "-XX:+UseG1GC"]
-    return [st._java_binary(), *flags, "-Djava.awt.headless=true", f"-Dlog4j.configuration=file:{log4j}",
-            "-cp", st._kafka_classpath()]  # fmt: skip
+    return [java_binary(), *flags, "-Djava.awt.headless=true", f"-Dlog4j.configuration=file:{log4j}",
+            "-cp", kafka_classpath()]  # fmt: skip
 
 
 #: The line a controller logs when it becomes the active one (its log is at WARN).
@@ -398,7 +410,7 @@ async def _provision(state_dir: Path, cluster: Cluster, secure: bool) -> None:
     settings = _admin_settings(state_dir, cluster.bootstrap, secure)
     await _wait_brokers(settings, len(cluster.brokers))
     if secure:
-        await st.provision_secure(settings)
+        await provision_secure(settings)
     else:
         await ensure_topics(settings, wait_s=30.0)
     await _create_internal_topics(settings)
@@ -478,7 +490,7 @@ async def describe_partitions(settings: Settings, topics: Sequence[str] | None =
 def cluster_status(state_dir: Path) -> tuple[list[str], bool]:
     """Printable lines (nodes, partitions, Redis) and whether everything is up and fully replicated."""
     state_dir = state_dir.resolve()
-    env = st._read_env(state_dir / "env")
+    env = read_env(state_dir / "env")
     secure = "FRAUD_KAFKA_SASL_MECHANISM" in env
     lines: list[str] = []
     ok = True
@@ -487,8 +499,8 @@ def cluster_status(state_dir: Path) -> tuple[list[str], bool]:
     except (StackError, OSError):
         active = ""
     for name in _names(state_dir):
-        pid = st._read_pid(st._pid_path(state_dir, name))
-        alive = pid is not None and st._runs(pid, _program(name))
+        pid = read_pid(pid_path(state_dir, name))
+        alive = pid is not None and runs(pid, _program(name))
         ok &= alive
         role = {"broker": f"node id {name.split('-')[1]}",
                 "controller": f"node id {controller_id(int(name.split('-')[1]))}"}.get(name.split("-")[0], "")  # fmt: skip
@@ -497,7 +509,7 @@ def cluster_status(state_dir: Path) -> tuple[list[str], bool]:
     if not env:
         return [*lines, "(no env: the cluster is not up)"], False
     try:
-        partitions = st._run_sync(describe_partitions(_admin_settings(state_dir, env["KAFKA_BOOTSTRAP"], secure)))
+        partitions = run_sync(describe_partitions(_admin_settings(state_dir, env["KAFKA_BOOTSTRAP"], secure)))
     except Exception as exc:  # reported, not raised: status is for looking
         lines.append(f"kafka: no answer from {env['KAFKA_BOOTSTRAP']} ({type(exc).__name__}: {exc})")
         ok = False
@@ -517,7 +529,7 @@ def cluster_status(state_dir: Path) -> tuple[list[str], bool]:
 def _redis_line(state_dir: Path, env: dict[str, str]) -> str:
     sentinels = [f"redis://127.0.0.1:{port}/0" for port in _sentinel_ports(env.get("REDIS_URL", ""))]
     if (state_dir / "redis-users" / "admin.password").exists() and "FRAUD_KAFKA_SASL_MECHANISM" in env:
-        secret = st.redis_password_path(state_dir, "admin").read_text().strip()
+        secret = redis_password_path(state_dir, "admin").read_text().strip()
         sentinels = [u.replace("redis://", f"redis://admin:{secret}@") for u in sentinels]
     try:
         view = redis_ha.topology(sentinels)
@@ -545,16 +557,16 @@ def cluster_down(state_dir: Path) -> None:
         for name in _names(state_dir):
             if name.split("-")[0] != kind:
                 continue
-            pid_path = st._pid_path(state_dir, name)
-            pid = st._read_pid(pid_path)
-            if pid is not None and st._runs(pid, _program(name)):
-                handles.append(st.ServiceHandle(name, pid, "", state_dir / f"{name}.log"))
-            pid_path.unlink(missing_ok=True)
+            pid_file = pid_path(state_dir, name)
+            pid = read_pid(pid_file)
+            if pid is not None and runs(pid, _program(name)):
+                handles.append(ServiceHandle(name, pid, "", state_dir / f"{name}.log"))
+            pid_file.unlink(missing_ok=True)
         _stop_together(handles)
     (state_dir / "env").unlink(missing_ok=True)
 
 
-def _stop_together(handles: list[st.ServiceHandle], timeout: float = 20.0) -> None:
+def _stop_together(handles: list[ServiceHandle], timeout: float = 20.0) -> None:
     """SIGTERM all at once, then wait (six JVMs one by one would take their sum)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(handles))) as pool:
         for handle, _ in zip(handles, pool.map(lambda h: h.stop(timeout), handles), strict=True):
@@ -570,8 +582,8 @@ def _names(state_dir: Path) -> list[str]:
 def _live(state_dir: Path) -> list[str]:
     out = []
     for name in _names(state_dir):
-        pid = st._read_pid(st._pid_path(state_dir, name))
-        if pid is not None and st._runs(pid, _program(name)):
+        pid = read_pid(pid_path(state_dir, name))
+        if pid is not None and runs(pid, _program(name)):
             out.append(f"{name} (pid {pid})")
     return out
 
@@ -602,7 +614,7 @@ def cli(args: argparse.Namespace) -> int:
         cluster_down(state_dir)
         return 0
     if args.command == "env":
-        env = st.role_env(state_dir, args.kafka_user, args.redis_user)
+        env = role_env(state_dir, args.kafka_user, args.redis_user)
         print("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()), end="")
         return 0
     lines, ok = cluster_status(state_dir)

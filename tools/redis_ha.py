@@ -31,6 +31,7 @@ import redis
 
 from app.errors import StackError
 from tools.stack import ServiceHandle, redis_password_path, start_redis
+from tools.stack.secure import write_acl
 
 __all__ = ["DOWN_AFTER_MS", "SERVICE", "RedisHA", "SentinelView", "sentinel_url", "start_redis_ha", "topology", "wait_replicated"]
 
@@ -208,9 +209,7 @@ def _sentinel_config(workdir: Path, index: int, primary: int, secure: bool) -> P
 def _ensure_users(workdir: Path) -> None:
     """The ACL users and their passwords, written once for every node and Sentinel."""
     if not (workdir / "users.acl").exists() or not redis_password_path(workdir, "admin").exists():
-        from tools.stack import _write_acl
-
-        _write_acl(workdir / "users.acl", workdir)
+        write_acl(workdir / "users.acl", workdir)
 
 
 def _write_conf(path: Path, lines: list[str]) -> Path:

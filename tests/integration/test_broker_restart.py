@@ -15,7 +15,7 @@ made after it (``decided_at``); ``recover_s``: until the reader sees one;
 ``back_s``: the restart until the reader sees the first decision after the kill;
 ``gap_s``: the longest time the reader saw no decision.
 
-About two minutes: ``FRAUD_CLUSTER=1`` (``make test-cluster``).
+About two minutes: marked ``cluster`` (``make test-cluster``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import pandas as pd
 import pytest
 import redis
 from workers import (
-    CLUSTER,
     Collector,
     Msg,
     Topics,
@@ -50,7 +49,7 @@ from tools.materialize import materialize
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(400),
-    pytest.mark.skipif(not CLUSTER, reason="minutes of load: FRAUD_CLUSTER=1 (make test-cluster)"),
+    pytest.mark.cluster,  # minutes of load
 ]
 
 PARTITIONS = 8

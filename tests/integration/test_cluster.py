@@ -2,8 +2,8 @@
 --brokers 3`` (three Kafka brokers and three KRaft controllers, real JVMs, three redis-servers, three
 redis-sentinels), ``status`` and ``down``.
 
-A minute or more each (six JVMs on two cores): run with ``FRAUD_CLUSTER=1``
-(``make test-cluster``); ``make test`` skips them.
+A minute or more each (six JVMs on two cores): marked ``cluster``, run by
+``make test-cluster`` (``-m cluster``); ``make test`` deselects them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from workers import CLUSTER
 
 from app.redis_keys import profile_key
 from app.settings import Settings
@@ -33,7 +32,7 @@ from tools import cluster, kafka_secure, stack
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not CLUSTER, reason="six JVMs for minutes: FRAUD_CLUSTER=1 (make test-cluster)"),
+    pytest.mark.cluster,  # six JVMs for minutes
 ]
 REPO = Path(__file__).resolve().parents[2]
 

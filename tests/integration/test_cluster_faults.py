@@ -8,7 +8,7 @@ three scoring workers with the product's default settings score 120 TPS for
 
 1. 15 s in, the broker leading the most ``transactions`` partitions is killed,
    and started again on its log dir and ports 10 s later
-   (``FRAUD_CLUSTER_FIRST_KILL=controller``: the active KRaft controller
+   (``CLUSTER_FIRST_KILL=controller``: the active KRaft controller
    instead, a fault of its own: the other two elect a new one, the brokers keep
    serving; its fields are then ``controller_…``);
 2. once it is back in every ISR, the broker that coordinates worker 1's
@@ -33,8 +33,8 @@ run; ``events`` when each step happened, from the start of the load. The
 acceptance: losing any one broker (or controller), or the coordinator, leaves
 no gap over 5 s.
 
-Several minutes (six JVMs, three workers and the load on two cores):
-``FRAUD_CLUSTER=1`` (``make test-cluster``).
+Several minutes (six JVMs, three workers and the load on two cores): marked
+``cluster`` (``make test-cluster``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import pandas as pd
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from workers import (
-    CLUSTER,
     Collector,
     Msg,
     Topics,
@@ -74,7 +73,7 @@ from tools.materialize import materialize
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not CLUSTER, reason="minutes of load on six JVMs: FRAUD_CLUSTER=1 (make test-cluster)"),
+    pytest.mark.cluster,  # minutes of load on six JVMs
 ]
 
 PARTITIONS = 8
@@ -92,10 +91,10 @@ DOWN_S = 10.0
 MAX_GAP_S = 5.0
 #: ``find_coordinator``'s key type for a transactional id (0: a group).
 TRANSACTION_COORDINATOR = 1
-#: ``FRAUD_CLUSTER_FIRST_KILL=controller``: the first fault takes the active
+#: ``CLUSTER_FIRST_KILL=controller``: the first fault takes the active
 #: KRaft controller process instead of a broker: the quorum elects another
 #: while the brokers keep their leaderships (RELIABILITY.md).
-FIRST_KILL = os.environ.get("FRAUD_CLUSTER_FIRST_KILL", "leader")
+FIRST_KILL = os.environ.get("CLUSTER_FIRST_KILL", "leader")
 FIRST = "controller" if FIRST_KILL == "controller" else "broker"
 
 

@@ -12,8 +12,9 @@ dead-letter topic sees them: ``decided`` has at least one decision,
 decision, ``disagreeing`` duplicates that differ in action, fraud_score or
 model_version, ``lost`` neither.
 
-``FRAUD_SOAK=1`` runs the long variant (60 s of load at a higher rate, longer
-outages, more hostile messages); the default is the fast one for ``make test``.
+Each test runs in two tiers (:class:`Tier`): ``fast`` for ``make test`` and
+``soak`` (marked ``soak``, selected by ``make soak`` with ``-m soak``): 60 s of
+load at a higher rate, longer outages, more hostile messages.
 Workers run as subprocesses (``python -m tools.cli worker``), each with its own
 topics and consumer group, and are stopped by PID in ``finally`` blocks.
 """
@@ -68,17 +69,54 @@ from pipeline.auth import sign
 from tests.factories import materialize_into, partition_of
 from tools import stack
 
-SOAK = os.environ.get("FRAUD_SOAK", "").strip() not in ("", "0", "false")
-
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900 if SOAK else 150)]
+#: The fast tier's timeout; :func:`tiers` sets the others.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 PARTITIONS = 8
 READY_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 60.0
-#: Load: (duration s, rate TPS). Fast: ~8 s at 150 TPS; soak: 60 s at 400 TPS.
-LOAD_S, RATE = (60.0, 400.0) if SOAK else (8.0, 150.0)
-#: After the load, how long every message may take to get its outcome.
-DRAIN_TIMEOUT_S = 120.0 if SOAK else 45.0
+
+
+@dataclass(frozen=True)
+class Tier:
+    """How long and how hard a fault test pushes."""
+
+    #: The load: duration (s) and rate (TPS).
+    load_s: float
+    rate: float
+    #: After the load, how long every message may take to get its outcome.
+    drain_s: float
+    #: kill -9 of the worker under load, each time replaced.
+    kills: int
+    #: The Redis outage: load before, during and after it (s), at this rate.
+    outage_lead_s: float
+    outage_s: float
+    outage_tail_s: float
+    outage_rate: float
+    #: Hostile messages, and signed ones in the authentication test.
+    hostile: int
+    signed: int
+    #: The combined scenario: load (s, TPS), every fault once per round.
+    combined_s: float
+    combined_rate: float
+    combined_rounds: int
+
+
+FAST = Tier(load_s=8.0, rate=150.0, drain_s=45.0, kills=1, outage_lead_s=3.0, outage_s=10.0, outage_tail_s=7.0,
+            outage_rate=100.0, hostile=250, signed=20, combined_s=60.0, combined_rate=120.0, combined_rounds=1)  # fmt: skip
+SOAK = Tier(load_s=60.0, rate=400.0, drain_s=120.0, kills=3, outage_lead_s=15.0, outage_s=30.0, outage_tail_s=15.0,
+            outage_rate=200.0, hostile=1500, signed=40, combined_s=180.0, combined_rate=200.0, combined_rounds=2)  # fmt: skip
+
+
+def tiers(*, fast_timeout_s: float | None = None, soak_timeout_s: float = 900.0) -> pytest.MarkDecorator:
+    """Run the test as ``[fast]`` and as ``[soak]`` (marked ``soak``: ``make soak``
+    selects it, ``make test`` does not); each tier with its own timeout (the fast
+    one's default: the module's)."""
+    fast_marks = [] if fast_timeout_s is None else [pytest.mark.timeout(fast_timeout_s)]
+    return pytest.mark.parametrize("tier", [
+        pytest.param(FAST, id="fast", marks=fast_marks),
+        pytest.param(SOAK, id="soak", marks=[pytest.mark.soak, pytest.mark.timeout(soak_timeout_s)]),
+    ])  # fmt: skip
 
 
 # --- fixtures ----------------------------------------------------------------------------
@@ -184,12 +222,13 @@ async def paced_load(rig: Rig, *, rate: float, duration: float, sent: list[Msg])
         await producer.stop()
 
 
-def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str) -> None:
+@tiers()
+def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
     """SIGKILL the only worker mid-stream, start another in the same group: nothing lost;
     what was decided but not committed is decided again, identically (from the cache)."""
     rig = rig_factory(materialized, "kill9")
     _defaults_only(rig)
-    kills = 3 if SOAK else 1
+    kills = tier.kills
     sent: list[Msg] = []
     kill_walls: list[float] = []
 
@@ -199,10 +238,10 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
             current = rig.workers.start()
             await current.wait_for_log("Ready", READY_TIMEOUT_S)
             await wait_decided(rig, col)
-            async with paced_load(rig, rate=RATE, duration=LOAD_S, sent=sent) as load:
+            async with paced_load(rig, rate=tier.rate, duration=tier.load_s, sent=sent) as load:
                 t0 = time.monotonic()
                 for k in range(kills):
-                    await asyncio.sleep(max(0.0, LOAD_S * (k + 0.4) / kills - (time.monotonic() - t0)))
+                    await asyncio.sleep(max(0.0, tier.load_s * (k + 0.4) / kills - (time.monotonic() - t0)))
                     # The replacement must be consuming before it is killed in turn (soak).
                     await current.wait_for_log("Ready", READY_TIMEOUT_S)
                     before = len(col.decisions)
@@ -211,7 +250,7 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
                     current.kill9()
                     current = rig.workers.start()
                 await load
-            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
+            await col.wait_all(sent, tier.drain_s, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             resumed = [
                 min((d["decided_at"] for d in col.decisions if d["decided_at"] > kw), default=math.inf) - kw
@@ -232,12 +271,13 @@ def test_fault_kill9_restart(rig_factory: Callable[..., Rig], materialized: str)
 # --- rebalance ----------------------------------------------------------------------------------
 
 
-def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> None:
+@tiers()
+def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
     """Two workers on 8 partitions under load; one stops (SIGTERM), later a third joins."""
     rig = rig_factory(materialized, "rebal")
     _defaults_only(rig)
     sent: list[Msg] = []
-    duration = max(LOAD_S, 12.0)
+    duration = max(tier.load_s, 12.0)
 
     async def scenario() -> None:
         await rig.topics.create(rig.bootstrap, PARTITIONS)
@@ -246,7 +286,7 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
             await a.wait_for_log("Ready", READY_TIMEOUT_S)
             await b.wait_for_log("Ready", READY_TIMEOUT_S)
             await wait_decided(rig, col)
-            async with paced_load(rig, rate=RATE, duration=duration, sent=sent) as load:
+            async with paced_load(rig, rate=tier.rate, duration=duration, sent=sent) as load:
                 t0 = time.monotonic()
                 await asyncio.sleep(duration * 0.25)
                 a.terminate()  # graceful stop by PID: the agent commits what it decided
@@ -255,7 +295,7 @@ def test_fault_rebalance(rig_factory: Callable[..., Rig], materialized: str) -> 
                 c = rig.workers.start()
                 await load
             await c.wait_for_log("Ready", READY_TIMEOUT_S)
-            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
+            await col.wait_all(sent, tier.drain_s, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             # Every partition's committed offset reaches its end: nothing is skipped
             # (committed past an undecided offset) and nothing stalls (a partition
@@ -306,7 +346,10 @@ async def wait_committed(rig: Rig, ends: dict[int, int], timeout: float) -> dict
 # --- Redis outage ----------------------------------------------------------------------------------
 
 
-def test_fault_redis_outage(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path) -> None:
+@tiers()
+def test_fault_redis_outage(
+    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path, tier: Tier
+) -> None:
     """Redis stopped under load: decisions continue, degraded; full decisions resume
     within seconds of Redis returning (same port, materialized again); worker alive."""
     port = stack.free_port()
@@ -316,10 +359,9 @@ def test_fault_redis_outage(rig_factory: Callable[..., Rig], sim_frame: pd.DataF
     rig = rig_factory(url, "redis")
     del rig.workers.base_env["FRAUD_REDIS_TIMEOUT_S"]  # the product's hot-path timeout: it is the subject
     sent: list[Msg] = []
-    outage_s = 30.0 if SOAK else 10.0
-    lead_s, tail_s = (15.0, 15.0) if SOAK else (3.0, 7.0)
+    outage_s, lead_s, tail_s = tier.outage_s, tier.outage_lead_s, tier.outage_tail_s
     duration = lead_s + outage_s + tail_s
-    rate = min(RATE, 200.0) if SOAK else 100.0
+    rate = tier.outage_rate
     marks: dict[str, float] = {}
 
     async def scenario() -> None:
@@ -339,7 +381,7 @@ def test_fault_redis_outage(rig_factory: Callable[..., Rig], sim_frame: pd.DataF
                 await asyncio.to_thread(materialize_into, sim_frame, url)
                 marks["materialized"] = time.time()
                 await load
-            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=1.0, abort=rig.workers.none_alive)
+            await col.wait_all(sent, tier.drain_s, settle=1.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             decided = [d for m in sent for d in col.by_tx.get(m.transaction_id or "", [])[:1]]
             in_outage = [d for d in decided if marks["down"] + 0.5 < d["decided_at"] < marks["restarting"]]
@@ -393,7 +435,8 @@ class SlowModel:
         return Prediction(np.full(matrix.shape[0], 0.99), [])
 
 
-def test_fault_model_budget(sim_frame: pd.DataFrame) -> None:
+@tiers()
+def test_fault_model_budget(sim_frame: pd.DataFrame, tier: Tier) -> None:
     """A model slower than ``model_budget_s``: every decision degraded, and the batch
     returns within the budget plus a small margin (the model's thread is abandoned)."""
     from pipeline.cache import InMemoryDecisionCache
@@ -447,8 +490,9 @@ def _rules() -> dict[str, Any]:
 # --- broker not there at start -------------------------------------------------------------------
 
 
+@tiers()
 def test_fault_broker_unavailable_at_start(
-    sim_frame: pd.DataFrame, trained_registry: Path, materialized: str, tmp_path: Path
+    sim_frame: pd.DataFrame, trained_registry: Path, materialized: str, tmp_path: Path, tier: Tier
 ) -> None:
     """`worker --broker-wait 60` against a port with no broker: it warns and retries
     (no traceback); once a broker starts on that port it becomes ready and decides."""
@@ -697,7 +741,7 @@ def hostile_corpus(n: int) -> list[Hostile]:
     ``@given`` function is *run*, collecting what it is given, so the corpus is what
     a Hypothesis test of ``n`` examples sees; the messages then go through one
     worker together. Shrinking is not available this way: the pure validator has
-    shrinking fuzz tests of its own (tests/unit/test_validate_fuzz.py); this test is
+    shrinking fuzz tests of its own (tests/unit/pipeline/test_validate_fuzz.py); this test is
     about the pipeline around it (headers, sizes, the broker, the DLQ, liveness).
     """
     corpus: list[Hostile] = []
@@ -713,11 +757,12 @@ def hostile_corpus(n: int) -> list[Hostile]:
     return corpus
 
 
-def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str) -> None:
+@tiers()
+def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
     """A few hundred hostile messages (unsigned), then valid transactions on every
     partition: one outcome per message, no crash, nothing blocked behind the poison."""
     rig = rig_factory(materialized, "hostile")
-    corpus = hostile_corpus(1500 if SOAK else 250)
+    corpus = hostile_corpus(tier.hostile)
     messages = [build(spec, i, rig.make_tx) for i, spec in enumerate(corpus)]
     # Valid transactions after the poison, at least two on every partition.
     valid: list[Msg] = []
@@ -744,7 +789,7 @@ def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str)
             finally:
                 await producer.stop()
             everything = messages + valid
-            await col.wait_all(everything, DRAIN_TIMEOUT_S, settle=2.0, abort=rig.workers.none_alive)
+            await col.wait_all(everything, tier.drain_s, settle=2.0, abort=rig.workers.none_alive)
 
             t = tally(col, everything)
             problems = []
@@ -779,7 +824,8 @@ def test_fault_hostile_input(rig_factory: Callable[..., Rig], materialized: str)
     asyncio.run(scenario())
 
 
-def test_fault_oversized_message(rig_factory: Callable[..., Rig], materialized: str) -> None:
+@tiers()
+def test_fault_oversized_message(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
     """Messages far over FRAUD_MAX_MESSAGE_BYTES: 800 kB (a default producer's 1 MiB
     allows it) is dead-lettered as too_large with a bounded record, the worker lives,
     and a valid transaction behind it on the same partition is decided. 3 MB (from a
@@ -836,7 +882,8 @@ def test_fault_oversized_message(rig_factory: Callable[..., Rig], materialized: 
 # --- producer authentication ---------------------------------------------------------------------
 
 
-def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
+@tiers()
+def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
     """With FRAUD_CLIENT_KEYS set (unsigned not allowed): signed messages are decided;
     unsigned, tampered, wrong-key, unknown-client and stale ones are dead-lettered
     with no decision; a replay of a decided message is answered from the cache."""
@@ -854,7 +901,7 @@ def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
         m.headers = list(headers.items())
         return m
 
-    n = 40 if SOAK else 20
+    n = tier.signed
     good = [signed(make(), f"a-good-{i}") for i in range(n)]
     bad = {
         "unsigned": [tx_msg(make(), f"a-unsigned-{i}") for i in range(5)],
@@ -887,7 +934,7 @@ def test_fault_auth(rig_factory: Callable[..., Rig], materialized: str) -> None:
                 await send_all(producer, rig.topics.transactions, [probe])
                 await col.wait_for(lambda: bool(col.by_corr.get("a-probe")), PROBE_TIMEOUT_S, "signed probe")
                 await send_all(producer, rig.topics.transactions, first)
-                await col.wait_all(first, DRAIN_TIMEOUT_S, settle=1.0, abort=rig.workers.none_alive)
+                await col.wait_all(first, tier.drain_s, settle=1.0, abort=rig.workers.none_alive)
                 outcome["tally"] = tally(col, first)
                 # Replay: the same bytes and headers as a decided message, as a new record.
                 txid = replayed_of.transaction_id or ""
@@ -1004,28 +1051,24 @@ def stallable_redis(frame: pd.DataFrame, workdir: Path) -> Iterator[StallableRed
         server.handle.stop()
 
 
-#: The combined scenario: (load s, TPS). Soak: 3 minutes at 200 TPS, each fault twice.
-COMBINED_S, COMBINED_RATE = (180.0, 200.0) if SOAK else (60.0, 120.0)
-
-
-async def run_combined(rig: Rig, redis_server: StallableRedis, name: str) -> None:
+async def run_combined(rig: Rig, redis_server: StallableRedis, name: str, tier: Tier) -> None:
     """Two workers under load with the default settings: kill -9 of one (and its
     replacement), a worker joining, a worker leaving by SIGTERM and a 10 s Redis
     stall (SIGSTOP/SIGCONT), in one run; then every transaction must have exactly
     one decision, as a ``read_committed`` consumer sees them."""
     sent: list[Msg] = []
-    rounds = 2 if SOAK else 1
+    rounds = tier.combined_rounds
     events: list[str] = []
 
     async def at(fraction: float, t0: float) -> None:
-        await asyncio.sleep(max(0.0, COMBINED_S * fraction - (time.monotonic() - t0)))
+        await asyncio.sleep(max(0.0, tier.combined_s * fraction - (time.monotonic() - t0)))
 
     async with rig.collector() as col:
         a, b = rig.workers.start(), rig.workers.start()
         for w in (a, b):
             await w.wait_for_log("Ready", READY_TIMEOUT_S)
         await wait_decided(rig, col)
-        async with paced_load(rig, rate=COMBINED_RATE, duration=COMBINED_S, sent=sent) as load:
+        async with paced_load(rig, rate=tier.combined_rate, duration=tier.combined_s, sent=sent) as load:
             t0 = time.monotonic()
             for r in range(rounds):
                 base = r / rounds
@@ -1047,12 +1090,12 @@ async def run_combined(rig: Rig, redis_server: StallableRedis, name: str) -> Non
                 await asyncio.to_thread(b.proc.wait, 30)
                 b = joiner
             await load
-        await col.wait_all(sent, DRAIN_TIMEOUT_S + 30.0, settle=3.0, abort=rig.workers.none_alive)
+        await col.wait_all(sent, tier.drain_s + 30.0, settle=3.0, abort=rig.workers.none_alive)
         t = tally(col, sent, by="transaction")
         firsts = [col.by_tx[m.transaction_id or ""][0] for m in sent if col.by_tx.get(m.transaction_id or "")]
         fenced = sum(w.text().count("fenced from partitions") for w in rig.workers.started)
-        report(t.line(name, workers=len(rig.workers.started), tps=f"{COMBINED_RATE:.0f}",
-                      load_s=f"{COMBINED_S:.0f}", events="/".join(events),
+        report(t.line(name, workers=len(rig.workers.started), tps=f"{tier.combined_rate:.0f}",
+                      load_s=f"{tier.combined_s:.0f}", events="/".join(events),
                       degraded=sum(d["degraded"] for d in firsts),
                       provisional=sum(bool(d.get("provisional")) for d in firsts), fenced=fenced))  # fmt: skip
         if t.lost:
@@ -1066,8 +1109,8 @@ async def run_combined(rig: Rig, redis_server: StallableRedis, name: str) -> Non
             assert "AuthorizationFailed" not in w.text(), w.log()
 
 
-@pytest.mark.timeout(1200 if SOAK else 420)
-def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path) -> None:
+@tiers(fast_timeout_s=420, soak_timeout_s=1200)
+def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path, tier: Tier) -> None:
     """Three `--role score` workers in all, every fault at once (:func:`run_combined`)."""
     with stallable_redis(sim_frame, tmp_path / "redis") as redis_server:
         rig = rig_factory(redis_server.url, "combined", FRAUD_WORKER_ROLE="score")
@@ -1075,14 +1118,14 @@ def test_fault_combined(rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame
 
         async def scenario() -> None:
             await rig.topics.create(rig.bootstrap, PARTITIONS)
-            await run_combined(rig, redis_server, "combined")
+            await run_combined(rig, redis_server, "combined", tier)
 
         asyncio.run(scenario())
 
 
-@pytest.mark.timeout(1200 if SOAK else 480)
+@tiers(fast_timeout_s=480, soak_timeout_s=1200)
 def test_fault_combined_every_role_on_its_own_principal(
-    sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+    sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path, tier: Tier
 ) -> None:
     """The same faults on the secure stack: a SASL/SCRAM-over-TLS broker with the
     ACL table and a Redis with ACL users. Workers as ``scoring`` (Kafka) and
@@ -1120,7 +1163,7 @@ def test_fault_combined_every_role_on_its_own_principal(
                       tmp_path / "workers", client=role(ROLES["payment-client"]), reader=role(ROLES["gateway"]))  # fmt: skip
             _defaults_only(rig)
             try:
-                asyncio.run(run_combined(rig, server, "combined_secure"))
+                asyncio.run(run_combined(rig, server, "combined_secure", tier))
             finally:
                 rig.workers.stop_all()
         finally:
@@ -1131,9 +1174,9 @@ def test_fault_combined_every_role_on_its_own_principal(
         broker.stop()
 
 
-@pytest.mark.timeout(300)
+@tiers(fast_timeout_s=300, soak_timeout_s=300)
 def test_fault_redelivery_and_resend_while_redis_is_stalled(
-    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path
+    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path, tier: Tier
 ) -> None:
     """One worker decides 400 signed transactions and is killed (kill -9) the moment
     the last decision is visible; Redis is stalled (SIGSTOP); a second worker starts,
@@ -1166,7 +1209,7 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                 try:
                     delivered = await send_all(producer, rig.topics.transactions, first)
                     await col.wait_for(
-                        lambda: all(col.has_outcome(m) for m in first), DRAIN_TIMEOUT_S, "first decisions"
+                        lambda: all(col.has_outcome(m) for m in first), tier.drain_s, "first decisions"
                     )
                     w1.kill9()
                     redis_server.stall()
@@ -1214,8 +1257,8 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
         asyncio.run(scenario())
 
 
-@pytest.mark.timeout(300)
-def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str) -> None:
+@tiers(fast_timeout_s=300, soak_timeout_s=300)
+def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
     """A worker frozen (SIGSTOP) mid-stream for longer than its session: the group
     gives its partitions to the other worker, whose producers fence it. When it
     wakes (SIGCONT), whatever it was deciding cannot commit; nothing is lost or
@@ -1240,7 +1283,7 @@ def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str)
                 finally:
                     os.kill(a.pid, signal.SIGCONT)
                 await load
-            await col.wait_all(sent, DRAIN_TIMEOUT_S, settle=3.0, abort=rig.workers.none_alive)
+            await col.wait_all(sent, tier.drain_s, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             fenced = a.text().count("fenced from partitions")
             report(t.line("zombie", stopped_s=15, fenced_logs=fenced, zombie_alive=a.alive()))

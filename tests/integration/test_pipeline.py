@@ -258,7 +258,7 @@ def _worker_env(bootstrap: str, redis_url: str, topics: Topics, registry: Path, 
         # that contention the 50 ms model budget is missed now and then (measured:
         # 4-7 % of decisions in a 1,000-message burst) and a decision that should
         # be full comes back degraded. The budget is the unit tests' subject
-        # (tests/unit/test_scorer.py); here it is generous so these are exact.
+        # (tests/unit/pipeline/test_scorer.py); here it is generous so these are exact.
         FRAUD_MODEL_BUDGET_MS="2000",
         PYTHONUNBUFFERED="1",
         **topics.env(),

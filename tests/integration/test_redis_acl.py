@@ -43,6 +43,7 @@ from pipeline.redis_batch import RedisBatchLookup
 from pipeline.timing import StageClock
 from tools import stack
 from tools.materialize import materialize
+from tools.stack.secure import write_acl
 
 pytestmark = pytest.mark.integration
 
@@ -312,7 +313,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, P
          "-out", "redis.pem", "-days", "2", "-extfile", "san.cnf"],
     ):  # fmt: skip
         subprocess.run(["openssl", *args], cwd=tls, check=True, capture_output=True, timeout=60)
-    admin = stack._write_acl(workdir / "users.acl", workdir)
+    admin = write_acl(workdir / "users.acl", workdir)
     port = stack.free_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",

@@ -41,6 +41,7 @@ from pipeline.validate import validate
 from tests.integration.workers import RULES, TxFactory
 from tools import cli, stack
 from tools.materialize import materialize
+from tools.stack.process import spawn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -82,7 +83,7 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"nodes-{port}.conf"),
                 "--cluster-node-timeout", "5000", "--dir", str(workdir),
             ]  # fmt: skip
-            handles.append(stack._spawn("redis-cluster", argv, f"redis://127.0.0.1:{port}/0", workdir / f"{port}.log"))
+            handles.append(spawn("redis-cluster", argv, f"redis://127.0.0.1:{port}/0", workdir / f"{port}.log"))
         for h in handles:
             stack.wait_redis_ready(h.url, pid=h.pid, log_path=h.log_path)
         subprocess.run(

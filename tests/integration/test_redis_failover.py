@@ -6,7 +6,7 @@ Every client comes from the factory the processes use, named by a
 promoted; the same client objects (no restart, no rebuild) then work against
 the new primary. The fast test covers the worker's scoring stores, the
 gateway's limiter and the feedback loop's store in this process; the worker
-test (``FRAUD_CLUSTER=1``, ``make test-cluster``) runs a real worker under load.
+test (marked ``cluster``: ``make test-cluster``) runs a real worker under load.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import orjson
 import pandas as pd
 import pytest
 from workers import (
-    CLUSTER,
     Collector,
     Topics,
     TxFactory,
@@ -162,7 +161,7 @@ def _label(tx_id: str, at: float) -> Label:
     return Label(tx_id, "legit", "chargeback", at)
 
 
-@pytest.mark.skipif(not CLUSTER, reason="minutes of load: FRAUD_CLUSTER=1 (make test-cluster)")
+@pytest.mark.cluster  # minutes of load
 @pytest.mark.timeout(300)
 def test_a_worker_under_load_follows_a_failover_without_a_restart(
     ha: redis_ha.RedisHA, kafka_bootstrap: str, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path

@@ -29,6 +29,7 @@ from app.topics import kafka_auth
 from tests.integration.workers import commit_offset, produce_one
 from tools import kafka_secure, stack
 from tools.replay import read_labels
+from tools.stack import cli as stack_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -244,8 +245,8 @@ def test_up_says_in_one_line_when_the_other_stack_holds_the_ports(
     """`make demo` after `make stack-up` (or the other way round): both stacks use
     the same ports, so `up` names the one that runs instead of failing on a port."""
     plain, secure_dir = tmp_path / "plain", tmp_path / "plain" / "secure"
-    monkeypatch.setattr(stack, "DEFAULT_STATE_DIR", plain)
-    monkeypatch.setattr(stack, "DEFAULT_SECURE_STATE_DIR", secure_dir)
+    monkeypatch.setattr(stack_cli, "DEFAULT_STATE_DIR", plain)
+    monkeypatch.setattr(stack_cli, "DEFAULT_SECURE_STATE_DIR", secure_dir)
     running = stack.start_redis(workdir=plain)  # what `make stack-up` left running
     (plain / "redis.pid").write_text(f"{running.pid}\n")
     try:

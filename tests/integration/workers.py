@@ -43,11 +43,6 @@ RULES = rules_doc("rules-faults-1", blocked_device="d-blocked-faults")
 
 __all__ = ["RULES", "iso"]  # re-exported: the tests import them from here
 
-#: The long tests on the 3-node cluster, a broker restart and Redis failover
-#: under load run only when asked: ``FRAUD_CLUSTER=1`` (``make test-cluster``).
-CLUSTER = os.environ.get("FRAUD_CLUSTER", "").strip() not in ("", "0", "false")
-
-
 # --- transactions --------------------------------------------------------------------
 
 

@@ -278,12 +278,12 @@ def test_a_new_cluster_id_never_reads_as_an_option(monkeypatch: pytest.MonkeyPat
     """A UUID whose base64 starts with "-" made the storage tool's format fail."""
     import uuid
 
-    from tools import stack
+    from tools.stack import broker
 
     dashed = uuid.UUID(bytes=b"\xfb" + bytes(15))  # base64 "-w..."
     draws = iter([dashed, uuid.UUID(int=1)])
-    monkeypatch.setattr(stack.uuid, "uuid4", lambda: next(draws))
-    cluster_id = stack.new_cluster_id()
+    monkeypatch.setattr(broker.uuid, "uuid4", lambda: next(draws))
+    cluster_id = broker.new_cluster_id()
     assert not cluster_id.startswith("-") and len(cluster_id) == 22
 
 

@@ -1,7 +1,7 @@
 """``python -m tools.stack``: the single stack, or with ``--brokers 3`` the cluster.
 
-Here and not in ``tools/stack/__init__.py``: ``tools.cluster`` builds on that
-module, so the module cannot import it back.
+Here and not in ``tools/stack/cli.py``: ``tools.cluster`` builds on this
+package, so the package cannot import it back.
 """
 
 import sys

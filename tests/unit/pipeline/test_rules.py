@@ -99,7 +99,7 @@ def test_bad_rules_are_refused_with_a_reason(change: dict[str, object]) -> None:
 
 
 def test_the_shipped_rules_file_is_valid(tmp_path: Path) -> None:
-    shipped = load_rules(Path(__file__).parents[2] / "config" / "rules.json")
+    shipped = load_rules(Path(__file__).parents[3] / "config" / "rules.json")
     assert shipped.version and shipped.review_threshold <= shipped.decline_threshold
     broken = tmp_path / "rules.json"
     broken.write_text(json.dumps(RULES)[:-3])

@@ -12,13 +12,14 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
-from test_scorer import RULES, ConstantModel, World, decisions, inbound, make_scorer
 
 from agents.reload import Reloader
 from app.errors import ModelError, ModelNotFound, RulesError
 from models import lifecycle
 from models.registry import current_version, read_manifest
 from pipeline.rules import load_rules
+from tests.factories import ConstantModel
+from tests.scoring import RULES, World, decisions, inbound, make_scorer
 
 
 def two_versions(trained: Path, tmp_path: Path) -> tuple[Path, str, str]:

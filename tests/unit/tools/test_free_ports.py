@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tools import stack
+from tools.stack import ports as stack_ports
 
 
 def _bind_all(ports: set[int]) -> None:
@@ -25,7 +26,7 @@ def _bind_all(ports: set[int]) -> None:
 
 
 def test_each_port_and_the_next_are_free_different_and_below_the_ephemeral_range() -> None:
-    low = stack._ephemeral_low()
+    low = stack_ports._ephemeral_low()
     for _ in range(20):
         ports = stack.free_ports(6)
         taken = {*ports, *(port + 1 for port in ports)}
@@ -45,5 +46,5 @@ def test_a_listeners_port_is_never_given_nor_the_port_before_it(monkeypatch: pyt
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind(("127.0.0.1", listened))
         listener.listen()
-        monkeypatch.setattr(stack.random, "Random", Draws)
+        monkeypatch.setattr(stack_ports.random, "Random", Draws)
         assert stack.free_ports(1) == [spare]

@@ -17,7 +17,7 @@ from pipeline.feature_store import InMemoryFeatureStore
 from pipeline.scorer import PROVISIONAL_REASON, Inbound, Scorer
 from tests.factories import rules, tx_bytes
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NOW = 1_800_000_000.0
 
 

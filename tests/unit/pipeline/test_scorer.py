@@ -23,23 +23,17 @@ import pandas as pd
 import pytest
 
 from app.contract import Transaction
-from pipeline.cache import UNCHECKED, DecisionCache, InMemoryDecisionCache, LocalFirstCache
+from pipeline.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
 from pipeline.feature_store import Enrichment, InMemoryFeatureStore
 from pipeline.features import (
-    DAY_S,
     FEATURE_NAMES,
     FEATURE_SET_VERSION,
-    build_merchant_risk,
-    build_user_profiles,
-    prepare_history,
 )
 from pipeline.model import Prediction
 from pipeline.scorer import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits, validate
-from tests.factories import ConstantModel, iso, rules
-
-BLOCKED_DEVICE = "d-blocked-unit"
-RULES = rules("rules-unit-1", blocked_device=BLOCKED_DEVICE)
+from tests.factories import ConstantModel, iso
+from tests.scoring import BLOCKED_DEVICE, RULES, World, decisions, inbound, make_scorer
 
 DECISION_FIELDS = {
     "transaction_id", "user_id", "fraud_score", "action", "explanation", "model_version",
@@ -50,49 +44,6 @@ LATENCY_KEYS = {"queue_wait", "validate", "cache", "features", "model", "rules",
 
 
 # --- fixtures and helpers -----------------------------------------------------
-
-
-class World:
-    """Profiles, merchants and a population drawn from the simulation, plus a fixed clock."""
-
-    def __init__(self, frame: pd.DataFrame) -> None:
-        history = prepare_history(frame)
-        self.as_of = math.ceil(history["ts"].max() / DAY_S) * DAY_S
-        self.now = self.as_of + 2 * 3600.0  # 02:00 UTC on the day after the data
-        self.profiles = build_user_profiles(history, self.as_of)
-        self.merchants = build_merchant_risk(history, self.as_of)
-        last = frame.sort_values("timestamp").drop_duplicates("user_id", keep="last")
-        self.population = [
-            {
-                "user_id": r.user_id,
-                "merchant_id": r.merchant_id,
-                "merchant_category": r.merchant_category,
-                "device_id": r.device_id,
-                "lat": float(r.lat),
-                "lon": float(r.lon),
-                "country": r.country,
-                "currency": r.currency,
-            }
-            for r in last.itertuples()
-            if r.user_id in self.profiles
-        ]
-        self._seq = 0
-
-    def tx(self, i: int = 0, **over: Any) -> dict[str, Any]:
-        """A valid transaction document for population member ``i``."""
-        self._seq += 1
-        person = self.population[i % len(self.population)]
-        doc: dict[str, Any] = {
-            "transaction_id": f"t-unit-{self._seq:06d}",
-            **person,
-            "amount": 42.5,
-            "timestamp": iso(self.now - 5.0 - self._seq * 0.001),
-        }
-        doc.update(over)
-        return {k: v for k, v in doc.items() if v is not None}
-
-    def store(self) -> InMemoryFeatureStore:
-        return InMemoryFeatureStore(self.profiles, self.merchants)
 
 
 class RecordingStore(InMemoryFeatureStore):
@@ -119,25 +70,6 @@ def ensemble(trained_registry: Path) -> Any:
     return load_ensemble(trained_registry)
 
 
-def make_scorer(
-    world: World, model: Any, store: InMemoryFeatureStore | None = None, cache: DecisionCache | None = None, **kw: Any
-) -> Scorer:
-    return Scorer(
-        model=model,
-        rules=RULES,
-        store=store if store is not None else world.store(),
-        cache=cache if cache is not None else InMemoryDecisionCache(),
-        wall_clock=lambda: world.now,
-        **kw,
-    )
-
-
-def inbound(doc: dict[str, Any] | bytes, world: World, correlation: str | None = None, offset: int = 0) -> Inbound:
-    value = doc if isinstance(doc, bytes) else orjson.dumps(doc)
-    headers = {"correlation-id": correlation.encode()} if correlation else {}
-    return Inbound(value=value, headers=headers, timestamp=world.now - 0.004, partition=0, offset=offset)
-
-
 def score(scorer: Scorer, batch: Sequence[Inbound]) -> BatchOutput:
     """One batch as the agent handles it: score, then store the new decisions in the cache."""
 
@@ -147,15 +79,6 @@ def score(scorer: Scorer, batch: Sequence[Inbound]) -> BatchOutput:
         return out
 
     return asyncio.run(go())
-
-
-def decisions(out: BatchOutput) -> list[dict[str, Any]]:
-    got = []
-    for key, value in out.decisions:
-        record = orjson.loads(value)
-        assert key == record["transaction_id"].encode(), "decisions are keyed by transaction id"
-        got.append(record)
-    return got
 
 
 def dead_letters(out: BatchOutput) -> list[tuple[bytes | None, dict[str, Any]]]:

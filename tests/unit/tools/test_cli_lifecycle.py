@@ -20,7 +20,7 @@ from models import lifecycle
 from models.registry import current_version, read_manifest
 from tools.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture()

@@ -185,7 +185,7 @@ def test_the_consumer_snippet_in_security_md_verifies(tmp_path: Path, monkeypatc
     """SECURITY.md's Python consumer example, run as written."""
     from dataclasses import dataclass
 
-    source = (Path(__file__).parents[2] / "SECURITY.md").read_text().split("```python\n")[1].split("```")[0]
+    source = (Path(__file__).parents[3] / "SECURITY.md").read_text().split("```python\n")[1].split("```")[0]
     signer = DecisionSigner.generate()
     write_public_keys(DecisionVerifier([signer.public_key]), tmp_path / "config" / "decision-public-keys.json")
     monkeypatch.chdir(tmp_path)

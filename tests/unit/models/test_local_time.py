@@ -13,7 +13,6 @@ from zoneinfo import ZoneInfo
 import orjson
 import pandas as pd
 import pytest
-from test_scorer import ConstantModel, World, inbound, make_scorer
 
 from app.contract import Transaction
 from app.errors import ModelError
@@ -21,6 +20,8 @@ from app.settings import get_settings
 from models import lifecycle
 from models.registry import current_version, list_versions, load_ensemble, read_manifest
 from pipeline.features import FEATURE_NAMES, feature_row
+from tests.factories import ConstantModel
+from tests.scoring import World, inbound, make_scorer
 from tools.cli import main
 
 NIGHT = FEATURE_NAMES.index("is_night")

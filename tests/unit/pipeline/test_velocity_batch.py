@@ -4,7 +4,7 @@ The reference below is the definition written the plainest way (sort, keep the
 newest ``VELOCITY_MAX_EVENTS`` up to the transaction, count and sum per window);
 :func:`pipeline.features.velocity_batch` computes a whole batch with array
 operations, and the training path's vectorised columns apply the same cap
-(tests/unit/test_batch_features.py holds training and serving equal).
+(tests/unit/pipeline/test_batch_features.py holds training and serving equal).
 """
 
 from __future__ import annotations

@@ -1,0 +1,250 @@
+"""The single-node broker: Apache Kafka (KRaft, broker and controller in one JVM)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+from app.errors import StackError
+from app.topics import kafka_auth
+from tools import kafka_secure
+from tools.stack.ports import ensure_port_free, free_port
+from tools.stack.process import ServiceHandle, spawn
+from tools.stack.readiness import Wait, ready_or_stopped, run_sync, wait_broker_ready
+from tools.stack.secure import provision_secure
+from tools.stack.state import DEFAULT_STATE_DIR, write_private
+
+__all__ = [
+    "BROKER_CONFIG",
+    "BROKER_HEAP",
+    "BROKER_LOG4J",
+    "KAFKA_LIB_DIR",
+    "base_properties",
+    "format_log_dir",
+    "java_binary",
+    "kafka_classpath",
+    "new_cluster_id",
+    "start_broker",
+]
+
+#: Where ``make setup`` puts the broker's class path (``deploy/kafka/pom.xml``).
+KAFKA_LIB_DIR = Path(__file__).resolve().parents[2] / ".kafka" / "lib"
+#: Heap for a 2-core machine shared with the workers, Redis and the load generator.
+BROKER_HEAP = ("-Xms256m", "-Xmx768m")
+
+#: The single-node broker's settings beyond listeners and paths. Each one that
+#: differs from Kafka's default says why.
+BROKER_CONFIG: dict[str, str] = {
+    "process.roles": "broker,controller",
+    "node.id": "1",
+    "controller.listener.names": "CONTROLLER",
+    "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+    "inter.broker.listener.name": "PLAINTEXT",
+    # One broker: the internal topics cannot have 3 replicas (the defaults make
+    # InitProducerId and the first consumer group fail).
+    "offsets.topic.replication.factor": "1",
+    "offsets.topic.num.partitions": "8",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "transaction.state.log.num.partitions": "8",
+    # The default waits 3 s before the first assignment of every new group.
+    "group.initial.rebalance.delay.ms": "0",
+    # Topics are created explicitly with their partition counts (app/topics.py).
+    "auto.create.topics.enable": "false",
+    "num.partitions": "1",
+    # A flat disk on long runs: 1 h or 128 MiB per partition, 32 MiB segments.
+    "log.retention.ms": "3600000",
+    "log.retention.bytes": str(128 * 1024 * 1024),
+    "log.segment.bytes": str(32 * 1024 * 1024),
+    "log.retention.check.interval.ms": "60000",
+    # Recovery after a kill -9 of the broker: no fsync per message (the OS page
+    # cache is the durability here, as on any single-node dev broker).
+    "num.recovery.threads.per.data.dir": "1",
+    "num.network.threads": "2",
+    "num.io.threads": "4",
+    # KIP-890's produce-time check answers aiokafka's transactional produce with
+    # retriable NOT_ENOUGH_REPLICAS (and a warning each) while the previous
+    # transaction's markers are written; no latency gain was measured either
+    # way (docs/local-broker.md).
+    "transaction.partition.verification.enable": "false",
+    # A worker killed inside a transaction holds back every read_committed
+    # consumer of the partitions it wrote until the broker aborts it (after the
+    # producer's 10 s transaction timeout, app/eos.py). The broker looks
+    # for such transactions every 10 s by default, so the stall was 10-20 s; a
+    # restarted worker fences its own at once (its transactional id is stable).
+    "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+    # A broker restarted after a kill -9 cannot register until the controller
+    # has expired its dead incarnation's session (DUPLICATE_BROKER_REGISTRATION,
+    # retried with a doubling backoff): with the default 9 s session that was
+    # 13 of the 18 s between the restart and the first answer. On a cluster the
+    # same timeout is how soon a dead broker is fenced and loses its
+    # leaderships: on the 3-node stack a kill -9 of the leader of most
+    # partitions stopped decisions for 5.6 s with 3 s (two runs; the
+    # acceptance is 5 s), so 2 s: four missed heartbeats (the cluster shortens
+    # it further: tools/cluster.py). Defaults 9 s / 2 s heartbeats.
+    "broker.session.timeout.ms": "2000",
+    "broker.heartbeat.interval.ms": "500",
+}
+
+#: WARN and up, plus the server's start and stop lines: the broker's log stays readable.
+BROKER_LOG4J = """\
+log4j.rootLogger=WARN, stdout
+log4j.appender.stdout=org.apache.log4j.ConsoleAppender
+log4j.appender.stdout.layout=org.apache.log4j.PatternLayout
+log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n
+log4j.logger.kafka.server.KafkaRaftServer=INFO
+log4j.logger.org.apache.kafka.controller=WARN
+log4j.logger.kafka.coordinator.transaction=WARN
+"""
+
+
+def start_broker(
+    port: int | None = None,
+    workdir: Path = DEFAULT_STATE_DIR,
+    controller_port: int | None = None,
+    *,
+    secure: bool = False,
+) -> ServiceHandle:
+    """Start Apache Kafka on 127.0.0.1:``port`` (a free one if None); return once it serves metadata.
+
+    One JVM, broker and KRaft controller (on ``controller_port``, the port after
+    the broker's if None, as ``stack_up`` places it). ``workdir/kafka-logs`` is
+    formatted on first use and kept: a restart finds its topics, offsets and
+    transactions again. Logs to ``workdir/broker.log``.
+    The handle's ``url`` is the bootstrap ``127.0.0.1:PORT``.
+
+    ``secure``: SASL/SCRAM-SHA-512 over TLS, ACLs per role, and the project's
+    topics created by the super user (``tools/kafka_secure.py`` says where the
+    CA, certificate and passwords are; ``kafka_secure.client_env`` gives a
+    role's settings). Off by default: most tests run on loopback, where
+    plaintext is faster to start and to read; ``make demo`` runs it
+    (``stack up --secure``).
+    """
+    port = port or free_port()
+    controller_port = controller_port or port + 1  # as stack_up places it; free_port() keeps it free
+    ensure_port_free(port, "broker")
+    ensure_port_free(controller_port, "broker controller")
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    classpath, java = kafka_classpath(), java_binary()
+    config = workdir / "server.properties"
+    props = base_properties(port, controller_port, workdir / "kafka-logs")
+    format_args: list[str] = []
+    formatted = (workdir / "kafka-logs" / "meta.properties").exists()
+    if secure and formatted and not kafka_secure.password_file(workdir, kafka_secure.ADMIN).exists():
+        raise StackError(f"{workdir} holds a plaintext broker's log dir (no SCRAM users): use another state dir")
+    if secure and formatted:
+        # SCRAM users are created when the log dir is formatted: a role added since has none.
+        missing = [u for u in kafka_secure.USERS if not kafka_secure.password_file(workdir, u).exists()]
+        if missing:
+            raise StackError(
+                f"{workdir} was formatted before the SCRAM user(s) {', '.join(missing)} existed: "
+                f"remove it (rm -rf {workdir}) and start again"
+            )
+    if secure:
+        kafka_secure.ensure_material(workdir)
+        props.update(kafka_secure.secure_properties(workdir, port, controller_port))
+        format_args = kafka_secure.format_scram_args(workdir)
+    write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
+    log4j = workdir / "broker-log4j.properties"
+    log4j.write_text(BROKER_LOG4J)
+    jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+           f"-Dlog4j.configuration=file:{log4j}", "-cp", classpath]  # fmt: skip
+    if not formatted:
+        format_log_dir(jvm, config, workdir / "broker.log", format_args)
+    handle = spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
+    if not secure:
+        return ready_or_stopped(handle, wait_broker_ready)
+    admin = kafka_secure.client_settings(workdir, kafka_secure.ADMIN, handle.url)
+    wait: Wait = partial(wait_broker_ready, client=kafka_auth(admin))
+    ready_or_stopped(handle, wait)
+    try:
+        run_sync(provision_secure(admin))
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+def base_properties(port: int, controller_port: int, log_dir: Path) -> dict[str, str]:
+    """``BROKER_CONFIG`` with one node's listeners and log dir (the replicated stack builds on it)."""
+    props = {
+        **BROKER_CONFIG,
+        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "log.dirs": str(log_dir),
+    }
+    return props
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a random UUID in URL-safe base64 (22 characters).
+
+    NOTE: never one starting with "-": the storage tool's argument parser would
+    read it as an option and fail the format (1 time in 64). Kafka's own
+    ``Uuid.randomUuid`` skips those for the same reason.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+def format_log_dir(
+    jvm: Sequence[str], config: Path, log_path: Path, extra: Sequence[str] = (), cluster_id: str | None = None
+) -> None:
+    """``kafka-storage format`` with a new cluster id (a base64 UUID, 22 characters);
+    ``extra``: more options (the secure broker's ``--add-scram`` credentials, which
+    are never written to the log).
+
+    NOTE: the main class and its arguments go in a Java argument file (``@file``,
+    0600, removed afterwards), not on the command line: ``/proc/<pid>/cmdline`` is
+    readable by every local user, and ``--add-scram`` carries every user's password.
+    The launcher expands ``@`` files only up to the main class, so the class is in
+    the file too.
+    """
+    cluster_id = cluster_id or new_cluster_id()
+    argfile = config.parent / "format.args"
+    arguments = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra]
+    write_private(argfile, "".join(_java_argfile_quote(a) + "\n" for a in arguments))
+    try:
+        result = subprocess.run(
+            [*jvm, f"@{argfile}"], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+    finally:
+        argfile.unlink(missing_ok=True)
+    with log_path.open("a") as log:
+        log.write(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
+
+
+def _java_argfile_quote(argument: str) -> str:
+    """One argument as a Java ``@file`` holds it: in double quotes, where a
+    backslash escapes (paths with spaces, ``#`` or quotes stay one argument)."""
+    return '"' + argument.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def kafka_classpath() -> str:
+    """``$FRAUD_KAFKA_LIB`` (a folder of jars), else ``.kafka/lib`` from ``make setup``."""
+    lib = Path(os.environ.get("FRAUD_KAFKA_LIB") or KAFKA_LIB_DIR)
+    if not any(lib.glob("kafka_2.13-*.jar")):
+        raise StackError(
+            f"no Apache Kafka jars in {lib}: run `make setup` (Maven fetches them per deploy/kafka/pom.xml)"
+        )
+    return f"{lib}/*"
+
+
+def java_binary() -> str:
+    home = os.environ.get("JAVA_HOME")
+    found = str(Path(home) / "bin" / "java") if home else shutil.which("java")
+    if not found or not os.access(found, os.X_OK):
+        raise StackError("java is not on PATH: Kafka needs Java 17+ (Debian: apt-get install default-jre-headless)")
+    return found
