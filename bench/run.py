@@ -9,6 +9,10 @@ from :func:`tools.loadgen.run_load`. Variants:
 
     ceiling      ``python -m bench.passthrough``: same faust settings and take
                  batching as ``batched``, forwards bytes instead of scoring
+    streams      ``python -m bench.streams_peer``: the peer, a Kafka Streams
+                 exactly_once_v2 pass-through (bench/streams/, ``make streams``)
+                 at Kafka Streams' default 100 ms commit interval
+    streams-25ms the same at 25 ms, the pipeline's own commit interval
     unbatched    ``fraud-pipeline worker`` with FRAUD_BATCH_SIZE=1
     batched      ``fraud-pipeline worker`` with 32 per batch, 10 ms window
     sweep-S-MS   batch size S × window MS ms, at one rate (full mode only)
@@ -47,6 +51,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import streams_peer
 from bench.criteria import GENERATOR_LAG_LIMIT_MS, THRESHOLDS_MS, generator_kept_up
 
 __all__ = [
@@ -125,11 +130,13 @@ class Variant:
 
     name: str
     kind: str
-    """``bare`` (bench/bare.py), ``faust`` (bench/passthrough.py) or ``pipeline`` (the worker)."""
+    """``bare`` (bench/bare.py), ``faust`` (bench/passthrough.py), ``streams`` (the Kafka
+    Streams peer, bench/streams_peer.py) or ``pipeline`` (the worker)."""
     batch_size: int
     batch_window_s: float
     commit_interval_s: float | None = None
-    """The pipeline's FRAUD_COMMIT_INTERVAL_S (None: the default)."""
+    """The pipeline's FRAUD_COMMIT_INTERVAL_S, or Kafka Streams' commit.interval.ms
+    for ``streams`` (None: the default, each its own)."""
 
     @property
     def passthrough(self) -> bool:
@@ -137,7 +144,7 @@ class Variant:
 
     def env(self) -> dict[str, str]:
         env = {"FRAUD_BATCH_SIZE": str(self.batch_size), "FRAUD_BATCH_WINDOW_S": str(self.batch_window_s)}
-        if self.commit_interval_s is not None:
+        if self.commit_interval_s is not None and self.kind == "pipeline":
             env["FRAUD_COMMIT_INTERVAL_S"] = str(self.commit_interval_s)
         if self.passthrough:  # forwards transactions unsigned: nothing to verify
             env["FRAUD_DECISION_PUBLIC_KEYS"] = ""
@@ -159,7 +166,10 @@ CEILING = Variant("ceiling", kind="faust", batch_size=DEFAULT_BATCH[0], batch_wi
 # Unbatched: one record per batch and per transaction, as a worker without micro-batches would.
 UNBATCHED = Variant("unbatched", kind="pipeline", batch_size=1, batch_window_s=DEFAULT_BATCH[1], commit_interval_s=0.0)
 BATCHED = Variant("batched", kind="pipeline", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
-MAIN_VARIANTS = (BARE, CEILING, UNBATCHED, BATCHED)
+# The peer: Kafka Streams exactly_once_v2 at its default commit interval and at a short one.
+STREAMS = Variant("streams", kind="streams", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
+STREAMS_25MS = replace(STREAMS, name="streams-25ms", commit_interval_s=0.025)
+MAIN_VARIANTS = (BARE, CEILING, STREAMS, STREAMS_25MS, UNBATCHED, BATCHED)
 
 
 def sweep_variants(sizes: Sequence[int], windows_ms: Sequence[int]) -> tuple[Variant, ...]:
@@ -200,6 +210,8 @@ class Plan:
     sweep_phase: Phase
     deadline_s: float
     """Searches stop probing when the rest of the plan would not fit before this."""
+    variants: tuple[Variant, ...] = MAIN_VARIANTS
+    """Measured at every rate and searched, in this order."""
 
 
 FULL_PLAN = Plan(
@@ -224,7 +236,9 @@ FULL_PLAN = Plan(
     # within ~2.5 s) fell in the window of most cells: the defaults' p99 356
     # and 427 ms with 1 s against 83 and 82 ms with 4 s (knobs-start-1500*.json).
     sweep_phase=Phase(warmup_s=4.0, measure_s=4.0, drain_s=3.0),
-    deadline_s=780.0,
+    # NOTE: 780 s before the Kafka Streams peer's two variants, which take
+    # ~150 s each (five rates, a JVM start, the searches).
+    deadline_s=1080.0,
 )
 QUICK_PLAN = Plan(
     quick=True,
@@ -239,7 +253,9 @@ QUICK_PLAN = Plan(
     sweep=(),
     sweep_rate=2500.0,
     sweep_phase=Phase(warmup_s=1.0, measure_s=3.0, drain_s=2.0),
-    deadline_s=170.0,
+    deadline_s=200.0,
+    # One Kafka Streams variant: the one at the pipeline's own commit interval.
+    variants=(BARE, CEILING, STREAMS_25MS, UNBATCHED, BATCHED),
 )
 
 
@@ -710,6 +726,8 @@ class Worker:
             argv = [sys.executable, "-m", "bench.bare"]
         elif variant.kind == "faust":
             argv = [sys.executable, "-m", "bench.passthrough"]
+        elif variant.kind == "streams":
+            argv = streams_peer.launcher_argv(variant.commit_interval_s)
         else:
             script = Path(sys.executable).parent / "fraud-pipeline"
             argv = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
@@ -1258,7 +1276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with services(workdir) as svc:
         prepared = prepare(svc)
         bench = Bench(plan, svc, workdir, started)
-        for variant in MAIN_VARIANTS:
+        for variant in plan.variants:
             bench.main_variant(variant)
         bench.sweep()
         settings = _settings_doc(svc)
@@ -1303,6 +1321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan_doc(plan: Plan) -> dict[str, Any]:
     doc = asdict(plan)
     doc["sweep"] = [v.name for v in plan.sweep]
+    doc["variants"] = [v.name for v in plan.variants]
     doc["thresholds_ms"] = list(THRESHOLDS_MS)
     doc["max_degraded_fraction"] = MAX_DEGRADED_FRACTION
     doc["generator_lag_limit_ms"] = GENERATOR_LAG_LIMIT_MS
