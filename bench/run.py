@@ -1,6 +1,6 @@
-"""The benchmark: transport ceiling, unbatched and batched pipeline, one broker, one run.
+"""The benchmark: transport ceiling, Kafka Streams peer, unbatched and batched pipeline, one broker, one run.
 
-    python -m bench.run            # full: about 9 minutes
+    python -m bench.run            # full: about 15 minutes
     python -m bench.run --quick    # 1,000 TPS and one search probe, short runs, no sweep: about 1 minute
 
 Every variant gets its own worker subprocess on fresh topics, a probe transaction that must come back before load
@@ -17,7 +17,7 @@ from :func:`tools.loadgen.run_load`. Variants:
     batched      ``fraud-pipeline worker`` with 32 per batch, 10 ms window
     sweep-S-MS   batch size S × window MS ms, at one rate (full mode only)
 
-For ceiling/unbatched/batched it then searches the highest offered rate that
+For each of these but the sweep it then searches the highest offered rate that
 keeps p99 under 200 ms and under 50 ms (see :func:`next_probe`). A run passes a
 threshold only if nothing was lost, at most 1 % of decisions were degraded
 (the model missed its budget, so the rules alone decided) and the generator

@@ -32,8 +32,9 @@ import org.apache.kafka.streams.processor.api.Record;
  *   --input TOPIC --output TOPIC --application-id ID --state-dir DIR --commit-interval-ms MS
  * </pre>
  *
- * Prints "Ready" once the first assignment is running; exits 0 on SIGTERM after
- * closing (the open transaction aborted or committed), 1 if a stream thread died.
+ * Prints "Ready" once its first assignment is running; on SIGTERM closes Kafka
+ * Streams (committing or aborting the open transaction) before the JVM exits;
+ * exits 1 if the stream thread died.
  */
 public final class PassThrough {
     private static final List<String> OPTIONS = List.of(
