@@ -1202,6 +1202,12 @@ def format_report(doc: Mapping[str, Any]) -> str:
         f"ratios at p99 < {r['threshold_ms']:g} ms: batched/unbatched {r['batched_over_unbatched']}, "
         f"batched/ceiling {r['batched_over_ceiling']}, batched/bare {r.get('batched_over_bare')}"
     )
+    peer = doc.get("against_peer") or {}
+    if peer.get("rates"):
+        lines.append(f"p99 ms against the Kafka Streams peer, up to {peer['pipeline']}'s knee: " + "; ".join(
+            f"{r['offered_tps']:,.0f} TPS " + ", ".join(f"{k} {v:.0f}" for k, v in r["p99_ms"].items())
+            for r in peer["rates"]
+        ) + f"; {peer['pipeline']} lower at every rate: " + ", ".join(f"vs {k} {v}" for k, v in peer["beats"].items()))
     by_rate = doc.get("cpu_ms_per_decision_by_rate") or {}
     if by_rate:
         lines.append("")
@@ -1296,6 +1302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "throughput_ratios": throughput_ratios(bench.runs),
         "cpu_ms_per_decision": cpu_per_decision_by_variant(bench.runs),
         "cpu_ms_per_decision_by_rate": cpu_by_rate(bench.runs),
+        "against_peer": streams_peer.against_peer(bench.runs),
         "truncated": bench.truncated,
         "errors": bench.errors,
         "logs": str(workdir.relative_to(REPO)),  # relative: results are committed

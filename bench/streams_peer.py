@@ -23,7 +23,9 @@ import asyncio
 import os
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from app.errors import ConfigError
 from app.settings import Settings
@@ -33,6 +35,8 @@ __all__ = [
     "DEFAULT_COMMIT_INTERVAL_MS",
     "LIB_DIR",
     "MAIN_CLASS",
+    "PEERS",
+    "against_peer",
     "commit_interval_ms",
     "java_command",
     "launcher_argv",
@@ -50,6 +54,8 @@ DEFAULT_COMMIT_INTERVAL_MS = 100
 #: A pass-through holds a few batches in memory: a small heap, taken at start,
 #: leaves the shared 2 cores' memory to the broker and Redis.
 HEAP = ("-Xms128m", "-Xmx256m")
+#: The peer's variants in bench.run, compared with the pipeline by :func:`against_peer`.
+PEERS = ("streams", "streams-25ms")
 
 
 def commit_interval_ms(commit_interval_s: float | None) -> int:
@@ -86,6 +92,33 @@ def java_command(settings: Settings, *, commit_interval_ms: int, java: str = "ja
         "--state-dir", str((settings.data_dir / "streams").resolve()),
         "--commit-interval-ms", str(commit_interval_ms),
     ]  # fmt: skip
+
+
+def against_peer(
+    runs: Sequence[Mapping[str, Any]], pipeline: str = "batched", threshold_ms: float = 200.0
+) -> dict[str, Any]:
+    """The pipeline's p99 against each peer variant's at every offered rate both
+    were measured at, up to the pipeline's knee (its runs with p99 under
+    ``threshold_ms``, nothing lost). ``beats``: per peer, whether the pipeline's
+    p99 was the lower at every such rate (None: no rate in common). A rate
+    measured twice (a repeat on a fresh worker) counts with its last run, as
+    the bench's verdicts do."""
+    last: dict[tuple[str, float], Mapping[str, Any]] = {}
+    for run in runs:
+        if run["variant"] in (pipeline, *PEERS) and run.get("p99_ms") is not None:
+            last[run["variant"], run["offered_tps"]] = run
+    rows = []
+    for (variant, rate), run in sorted(last.items(), key=lambda item: item[0][1]):
+        if variant != pipeline or run["lost"] or run.get("error") or run["p99_ms"] >= threshold_ms:
+            continue
+        peers = {peer: last[peer, rate]["p99_ms"] for peer in PEERS if (peer, rate) in last}
+        if peers:
+            rows.append({"offered_tps": rate, "p99_ms": {pipeline: run["p99_ms"], **peers}})
+    beats: dict[str, bool | None] = {}
+    for peer in PEERS:
+        pairs = [(row["p99_ms"][pipeline], row["p99_ms"][peer]) for row in rows if peer in row["p99_ms"]]
+        beats[peer] = all(ours < theirs for ours, theirs in pairs) if pairs else None
+    return {"pipeline": pipeline, "threshold_ms": threshold_ms, "rates": rows, "beats": beats}
 
 
 def _java() -> str:

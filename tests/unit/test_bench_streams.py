@@ -95,3 +95,44 @@ def test_kafka_streams_takes_the_brokers_kafka_version() -> None:
     dry = subprocess.run(["make", "-n", "-B", "streams"], cwd=REPO, capture_output=True, text=True, check=True)
     build = next(line for line in dry.stdout.splitlines() if "bench/streams/pom.xml" in line and "mvn" in line)
     assert f"-Dkafka.version={broker.group(1)} " in build
+
+
+def _run(variant: str, rate: float, p99: float, *, phase: str = "rate", lost: int = 0) -> dict[str, object]:
+    return {"variant": variant, "phase": phase, "offered_tps": rate, "p99_ms": p99, "lost": lost}
+
+
+def test_the_pipeline_is_compared_with_each_peer_up_to_its_own_knee() -> None:
+    runs = [
+        _run("batched", 500.0, 60.0), _run("streams", 500.0, 130.0), _run("streams-25ms", 500.0, 50.0),
+        _run("batched", 1000.0, 45.0), _run("streams", 1000.0, 120.0), _run("streams-25ms", 1000.0, 48.0),
+        # Past the pipeline's knee: not compared, however the peer did.
+        _run("batched", 4000.0, 2400.0), _run("streams", 4000.0, 110.0), _run("streams-25ms", 4000.0, 40.0),
+        _run("batched", 3000.0, 150.0, lost=3), _run("streams", 3000.0, 100.0),
+        _run("bare", 1000.0, 20.0),  # not a peer
+    ]  # fmt: skip
+    found = streams_peer.against_peer(runs)
+    assert [row["offered_tps"] for row in found["rates"]] == [500.0, 1000.0]
+    assert found["rates"][1]["p99_ms"] == {"batched": 45.0, "streams": 120.0, "streams-25ms": 48.0}
+    assert found["beats"] == {"streams": True, "streams-25ms": False}
+
+
+def test_a_repeated_rate_is_compared_by_its_last_run_and_no_common_rate_decides_nothing() -> None:
+    runs = [
+        _run("batched", 1000.0, 45.0), _run("streams-25ms", 1000.0, 260.0),
+        _run("streams-25ms", 1000.0, 40.0, phase="repeat"),  # the spike did not reproduce
+    ]  # fmt: skip
+    assert streams_peer.against_peer(runs)["beats"] == {"streams": None, "streams-25ms": False}
+    assert streams_peer.against_peer([_run("batched", 1000.0, 45.0)]) == {
+        "pipeline": "batched", "threshold_ms": 200.0, "rates": [], "beats": {"streams": None, "streams-25ms": None},
+    }  # fmt: skip
+
+
+def test_the_report_prints_the_pipeline_against_the_peer() -> None:
+    from bench.run import BATCHED, format_report
+    from tests.unit.test_bench import record, results_doc
+
+    runs = [record(BATCHED, 1000.0, p99=40.0), record(STREAMS, 1000.0, p99=120.0), record(STREAMS_25MS, 1000.0, p99=60.0)]
+    doc = results_doc(runs) | {"against_peer": streams_peer.against_peer(runs)}
+    text = format_report(doc)
+    assert "1,000 TPS batched 40, streams 120, streams-25ms 60" in text
+    assert "batched lower at every rate: vs streams True, vs streams-25ms True" in text
