@@ -166,7 +166,8 @@ CEILING = Variant("ceiling", kind="faust", batch_size=DEFAULT_BATCH[0], batch_wi
 # Unbatched: one record per batch and per transaction, as a worker without micro-batches would.
 UNBATCHED = Variant("unbatched", kind="pipeline", batch_size=1, batch_window_s=DEFAULT_BATCH[1], commit_interval_s=0.0)
 BATCHED = Variant("batched", kind="pipeline", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
-# The peer: Kafka Streams exactly_once_v2 at its default commit interval and at a short one.
+# The peer: Kafka Streams exactly_once_v2 at its default commit interval and at a short one
+# (the batch fields are only recorded: Kafka Streams processes what each poll returns).
 STREAMS = Variant("streams", kind="streams", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
 STREAMS_25MS = replace(STREAMS, name="streams-25ms", commit_interval_s=0.025)
 MAIN_VARIANTS = (BARE, CEILING, STREAMS, STREAMS_25MS, UNBATCHED, BATCHED)
