@@ -49,6 +49,20 @@ $(KAFKA_STAMP): deploy/kafka/pom.xml
 	mvn -q -B -f deploy/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB)
 	touch $(KAFKA_STAMP)
 
+# The benchmark's peer (bench/streams/): a Kafka Streams exactly_once_v2
+# pass-through, compiled with its runtime class path (~80 MB of jars, cached in
+# ~/.m2) at the broker's Kafka version, read from deploy/kafka/pom.xml so that
+# both move together. Only `make bench` needs it.
+KAFKA_VERSION = $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' deploy/kafka/pom.xml)
+STREAMS_STAMP := bench/streams/target/.built
+.PHONY: streams
+streams: $(STREAMS_STAMP)
+
+$(STREAMS_STAMP): bench/streams/pom.xml deploy/kafka/pom.xml $(shell find bench/streams/src -type f) | $(KAFKA_STAMP)
+	rm -rf bench/streams/target
+	mvn -q -B -f bench/streams/pom.xml -Dkafka.version=$(KAFKA_VERSION) compile dependency:copy-dependencies
+	touch $(STREAMS_STAMP)
+
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 \
@@ -175,11 +189,12 @@ else
 endif
 
 clean: stack-down
-	rm -rf .stack data .kafka
+	rm -rf .stack data .kafka bench/streams/target
 
 # Benchmark: transport ceiling vs unbatched vs batched pipeline on one broker,
-# latency vs offered rate, max sustainable rate, batch sweep (bench/run.py).
-# ~9 minutes; QUICK=1: one rate and one search probe, short runs, no sweep (~1 minute).
+# and the Kafka Streams peer beside them; latency vs offered rate, max
+# sustainable rate, batch sweep (bench/run.py).
+# ~15 minutes (an estimate with the peer added); QUICK=1: one rate and one search probe, short runs, no sweep (~1 minute).
 .PHONY: bench
-bench: setup
+bench: setup streams
 	$(PY) -m bench.run $(if $(QUICK),--quick,)

@@ -32,7 +32,10 @@ from bench.criteria import THRESHOLDS_MS, generator_kept_up  # noqa: E402
 
 __all__ = ["knobs_plot", "plot_all"]
 
-COLORS = {"ceiling": "tab:gray", "unbatched": "tab:red", "batched": "tab:blue"}
+COLORS = {
+    "ceiling": "tab:gray", "streams": "tab:olive", "streams-25ms": "tab:green",
+    "unbatched": "tab:red", "batched": "tab:blue",
+}  # fmt: skip
 #: The pipeline's stages in flow order; stages it adds later are drawn after these.
 STAGES = ("queue_wait", "validate", "cache", "features", "model", "rules")
 

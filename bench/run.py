@@ -1,6 +1,6 @@
-"""The benchmark: transport ceiling, unbatched and batched pipeline, one broker, one run.
+"""The benchmark: transport ceiling, Kafka Streams peer, unbatched and batched pipeline, one broker, one run.
 
-    python -m bench.run            # full: about 9 minutes
+    python -m bench.run            # full: about 15 minutes
     python -m bench.run --quick    # 1,000 TPS and one search probe, short runs, no sweep: about 1 minute
 
 Every variant gets its own worker subprocess on fresh topics, a probe transaction that must come back before load
@@ -9,11 +9,15 @@ from :func:`tools.loadgen.run_load`. Variants:
 
     ceiling      ``python -m bench.passthrough``: same faust settings and take
                  batching as ``batched``, forwards bytes instead of scoring
+    streams      ``python -m bench.streams_peer``: the peer, a Kafka Streams
+                 exactly_once_v2 pass-through (bench/streams/, ``make streams``)
+                 at Kafka Streams' default 100 ms commit interval
+    streams-25ms the same at 25 ms, the pipeline's own commit interval
     unbatched    ``fraud-pipeline worker`` with FRAUD_BATCH_SIZE=1
     batched      ``fraud-pipeline worker`` with the default settings (64 per batch, 10 ms window)
     sweep-S-MS   batch size S × window MS ms, at one rate (full mode only)
 
-For ceiling/unbatched/batched it then searches the highest offered rate that
+For each of these but the sweep it then searches the highest offered rate that
 keeps p99 under 200 ms and under 50 ms (see :func:`next_probe`). A run passes a
 threshold only if nothing was lost, at most 1 % of decisions were degraded
 (the model missed its budget, so the rules alone decided) and the generator
@@ -48,6 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench import streams_peer
 from bench.criteria import GENERATOR_LAG_LIMIT_MS, THRESHOLDS_MS, generator_kept_up
 
 __all__ = [
@@ -126,11 +131,13 @@ class Variant:
 
     name: str
     kind: str
-    """``bare`` (bench/bare.py), ``faust`` (bench/passthrough.py) or ``pipeline`` (the worker)."""
+    """``bare`` (bench/bare.py), ``faust`` (bench/passthrough.py), ``streams`` (the Kafka
+    Streams peer, bench/streams_peer.py) or ``pipeline`` (the worker)."""
     batch_size: int
     batch_window_s: float
     commit_interval_s: float | None = None
-    """The pipeline's FRAUD_COMMIT_INTERVAL_S (None: the default)."""
+    """The pipeline's FRAUD_COMMIT_INTERVAL_S, or Kafka Streams' commit.interval.ms
+    for ``streams`` (None: the default, each its own)."""
 
     @property
     def passthrough(self) -> bool:
@@ -138,7 +145,7 @@ class Variant:
 
     def env(self) -> dict[str, str]:
         env = {"FRAUD_BATCH_SIZE": str(self.batch_size), "FRAUD_BATCH_WINDOW_S": str(self.batch_window_s)}
-        if self.commit_interval_s is not None:
+        if self.commit_interval_s is not None and self.kind == "pipeline":
             env["FRAUD_COMMIT_INTERVAL_S"] = str(self.commit_interval_s)
         if self.passthrough:  # forwards transactions unsigned: nothing to verify
             env["FRAUD_DECISION_PUBLIC_KEYS"] = ""
@@ -160,7 +167,11 @@ CEILING = Variant("ceiling", kind="faust", batch_size=DEFAULT_BATCH[0], batch_wi
 # Unbatched: one record per batch and per transaction, as a worker without micro-batches would.
 UNBATCHED = Variant("unbatched", kind="pipeline", batch_size=1, batch_window_s=DEFAULT_BATCH[1], commit_interval_s=0.0)
 BATCHED = Variant("batched", kind="pipeline", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
-MAIN_VARIANTS = (BARE, CEILING, UNBATCHED, BATCHED)
+# The peer: Kafka Streams exactly_once_v2 at its default commit interval and at a short one
+# (the batch fields are only recorded: Kafka Streams processes what each poll returns).
+STREAMS = Variant("streams", kind="streams", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
+STREAMS_25MS = replace(STREAMS, name="streams-25ms", commit_interval_s=0.025)
+MAIN_VARIANTS = (BARE, CEILING, STREAMS, STREAMS_25MS, UNBATCHED, BATCHED)
 
 
 def sweep_variants(sizes: Sequence[int], windows_ms: Sequence[int]) -> tuple[Variant, ...]:
@@ -201,6 +212,8 @@ class Plan:
     sweep_phase: Phase
     deadline_s: float
     """Searches stop probing when the rest of the plan would not fit before this."""
+    variants: tuple[Variant, ...] = MAIN_VARIANTS
+    """Measured at every rate and searched, in this order."""
 
 
 FULL_PLAN = Plan(
@@ -225,7 +238,9 @@ FULL_PLAN = Plan(
     # within ~2.5 s) fell in the window of most cells: the defaults' p99 356
     # and 427 ms with 1 s against 83 and 82 ms with 4 s (knobs-start-1500*.json).
     sweep_phase=Phase(warmup_s=4.0, measure_s=4.0, drain_s=3.0),
-    deadline_s=780.0,
+    # NOTE: 780 s before the Kafka Streams peer's two variants, which take
+    # ~150 s each (five rates, a JVM start, the searches).
+    deadline_s=1080.0,
 )
 QUICK_PLAN = Plan(
     quick=True,
@@ -240,7 +255,9 @@ QUICK_PLAN = Plan(
     sweep=(),
     sweep_rate=2500.0,
     sweep_phase=Phase(warmup_s=1.0, measure_s=3.0, drain_s=2.0),
-    deadline_s=170.0,
+    deadline_s=200.0,
+    # One Kafka Streams variant: the one at the pipeline's own commit interval.
+    variants=(BARE, CEILING, STREAMS_25MS, UNBATCHED, BATCHED),
 )
 
 
@@ -712,6 +729,8 @@ class Worker:
             argv = [sys.executable, "-m", "bench.bare"]
         elif variant.kind == "faust":
             argv = [sys.executable, "-m", "bench.passthrough"]
+        elif variant.kind == "streams":
+            argv = streams_peer.launcher_argv(variant.commit_interval_s)
         else:
             script = Path(sys.executable).parent / "fraud-pipeline"
             argv = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
@@ -1189,6 +1208,12 @@ def format_report(doc: Mapping[str, Any]) -> str:
         f"ratios at p99 < {r['threshold_ms']:g} ms: batched/unbatched {r['batched_over_unbatched']}, "
         f"batched/ceiling {r['batched_over_ceiling']}, batched/bare {r.get('batched_over_bare')}"
     )
+    peer = doc.get("against_peer") or {}
+    if peer.get("rates"):
+        lines.append(f"p99 ms against the Kafka Streams peer, up to {peer['pipeline']}'s knee: " + "; ".join(
+            f"{r['offered_tps']:,.0f} TPS " + ", ".join(f"{k} {v:.0f}" for k, v in r["p99_ms"].items())
+            for r in peer["rates"]
+        ) + f"; {peer['pipeline']} lower at every rate: " + ", ".join(f"vs {k} {v}" for k, v in peer["beats"].items()))
     by_rate = doc.get("cpu_ms_per_decision_by_rate") or {}
     if by_rate:
         lines.append("")
@@ -1263,7 +1288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with services(workdir) as svc:
         prepared = prepare(svc)
         bench = Bench(plan, svc, workdir, started)
-        for variant in MAIN_VARIANTS:
+        for variant in plan.variants:
             bench.main_variant(variant)
         bench.sweep()
         settings = _settings_doc(svc)
@@ -1283,6 +1308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "throughput_ratios": throughput_ratios(bench.runs),
         "cpu_ms_per_decision": cpu_per_decision_by_variant(bench.runs),
         "cpu_ms_per_decision_by_rate": cpu_by_rate(bench.runs),
+        "against_peer": streams_peer.against_peer(bench.runs),
         "truncated": bench.truncated,
         "errors": bench.errors,
         "logs": str(workdir.relative_to(REPO)),  # relative: results are committed
@@ -1313,6 +1339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan_doc(plan: Plan) -> dict[str, Any]:
     doc = asdict(plan)
     doc["sweep"] = [v.name for v in plan.sweep]
+    doc["variants"] = [v.name for v in plan.variants]
     doc["thresholds_ms"] = list(THRESHOLDS_MS)
     doc["max_degraded_fraction"] = MAX_DEGRADED_FRACTION
     doc["generator_lag_limit_ms"] = GENERATOR_LAG_LIMIT_MS
