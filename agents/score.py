@@ -79,17 +79,21 @@ class ScoringLoop:
         #: Called after every step (agents/watchdog.py: a loop that stops stepping exits).
         self.on_step: Callable[[], None] = lambda: None
 
-    async def run(self) -> None:
+    async def run(self, first: TakenBatch | None = None) -> None:
+        """Step forever; ``first``: a batch already taken (while joining the group)."""
         while True:
-            await self.step()
+            await self.step(first)
+            first = None
             self.on_step()
 
-    async def step(self) -> None:
+    async def step(self, batch: TakenBatch | None = None) -> None:
         """Take what is queued (or wait for a record), commit the open
         transaction if it is due while this batch is scored, then send the
-        batch in the next transaction."""
+        batch in the next transaction. ``batch``: one taken already."""
         now = time.monotonic()
-        batch = await self.stream.take(self.batch_size, *self.pace.waits(now, self._last_take, self.stream.open_since))
+        if batch is None:
+            waits = self.pace.waits(now, self._last_take, self.stream.open_since)
+            batch = await self.stream.take(self.batch_size, *waits)
         self._last_take = taken = time.monotonic()
         self._phase["take"].observe(taken - now)
         full = len(batch.messages) >= self.batch_size

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+import mode
 
 from agents.feedback import install_feedback_loop
 from agents.metrics import WorkerMetrics
@@ -63,6 +64,13 @@ log = logging.getLogger(__name__)
 #: How long the loop and the stream get to finish on shutdown: the open
 #: transaction's commit, then leaving the group (its partitions move at once).
 SHUTDOWN_STEP_S = 10.0
+#: How long a starting worker waits for its first assignment before it says
+#: Ready anyway (and goes on waiting in its loop): a group mid-rebalance, or a
+#: broker whose first rebalance is delayed (``group.initial.rebalance.delay.ms``,
+#: 3 s by default) answers within it.
+JOIN_TIMEOUT_S = 15.0
+#: The longest the warm-up before joining takes (the model's first calls).
+WARM_UP_S = 30.0
 
 
 def _no_tally(_merchant_id: str) -> MerchantTally | None:
@@ -225,18 +233,26 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         watchdog = LoopWatchdog(settings.loop_stall_exit_s)
         loop.on_step = watchdog.beat
         try:
-            await scorer.warm_up()
+            # Everything warm before the group hands this worker partitions:
+            # the model's thread, a Redis connection, the producer (its
+            # transactional id and the outputs' metadata), the heap frozen.
+            await scorer.warm_up((1, 8, 32, settings.batch_size))
             await reloader.apply(scorer)  # the shadow and drift reference, if any
+            with contextlib.suppress(Exception):  # a Redis down now degrades decisions; it stops nothing
+                await asyncio.wait_for(client.ping(), settings.redis_timeout_s)
             # NOTE: inside the try: a worker whose producer cannot start (the
             # coordinator unreachable past init_transactions' timeout) exits to
             # be restarted, instead of serving /metrics while deciding nothing.
             await stream.start()
-            log.info(
-                "scoring %s as group %s (transactional id %s)", stream.topic, stream.group_id, stream.transactional_id
-            )
             freeze_startup_heap()
+            first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, list(topics.values()))
+            log.info(
+                "scoring %s as group %s (transactional id %s), partitions %s",
+                stream.topic, stream.group_id, stream.transactional_id, sorted(stream.assigned),
+            )  # fmt: skip
+            joined.set()
             watchdog.start(asyncio.get_running_loop())  # a step that never ends: stacks, then exit
-            await loop.run()
+            await loop.run(first)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -254,11 +270,24 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     async def watch_registry() -> None:  # loads in the background; swaps happen in the loop
         await reloader.poll()
 
+    joined = asyncio.Event()
+
+    class ScoringJoined(mode.Service):
+        """Holds the worker's "Ready" until the scoring loop has joined its
+        group warm (or ``JOIN_TIMEOUT_S`` passed): faust starts an app's
+        services after its tasks and says Ready once they have started, so
+        Ready means deciding, not starting to."""
+
+        async def on_start(self) -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(joined.wait(), JOIN_TIMEOUT_S + WARM_UP_S)
+
     # NOTE: registered by calls, not as decorators: faust annotates its
     # decorators as returning a bare Callable, which would leave these
     # functions untyped.
     app.task(score)
     app.timer(settings.reload_check_s)(watch_registry)
+    app.service(ScoringJoined)
 
     if settings.worker_role == "all":  # "score": the feedback loop runs in its own workers
         install_feedback_loop(app, settings)

@@ -77,6 +77,9 @@ COMMIT_RETRIES = 3
 #: the whole bound before anything else could go on (RELIABILITY.md).
 OFFSETS_HUNG_S = 2.0
 
+#: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
+JOIN_POLL_S = 0.1
+
 #: (topic, key, value, headers): one record to produce.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
 
@@ -196,6 +199,8 @@ class ExactlyOnce:
         self._consumer: Any = None
         self._producer: Any = None
         self.assigned: set[int] = set()
+        #: Whether a first assignment came (:meth:`join`).
+        self.joined = False
         self._txn: _OpenTransaction | None = None
         self._seq = 0
         self._settled: list[tuple[int, str]] = []
@@ -222,6 +227,25 @@ class ExactlyOnce:
         self._replace_producer()  # tried again for a minute: the coordinator may still be loading
         self._consumer = self._consumer_factory(self._consumer_config)
         self._consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
+
+    async def join(self, max_records: int, timeout_s: float, outputs: Sequence[str] = ()) -> TakenBatch:
+        """Join the group: return once a first assignment (even an empty one:
+        more workers than partitions) has come, or after ``timeout_s``, with
+        the records taken meanwhile (up to ``max_records``). ``outputs``: topics
+        whose metadata the producer fetches first, so that the first batch does
+        not wait for it."""
+        messages = await self._call(self._join, max_records, timeout_s, tuple(outputs))
+        return TakenBatch.of(messages, self.generation)
+
+    def _join(self, max_records: int, timeout_s: float, outputs: tuple[str, ...]) -> list[Any]:
+        for topic in outputs:
+            with contextlib.suppress(Exception):  # only a head start: the first produce asks again
+                self._producer.list_topics(topic, TXN_CALL_TIMEOUT_S)
+        deadline = time.monotonic() + timeout_s
+        messages: list[Any] = []
+        while not self.joined and not messages and time.monotonic() < deadline:
+            messages = self._take(max_records, JOIN_POLL_S)  # the rebalance is served inside
+        return messages
 
     def _new_producer(self) -> Any:
         producer = self._producer_factory(self._producer_config)
@@ -260,6 +284,7 @@ class ExactlyOnce:
         # (ILLEGAL_GENERATION) and its batches decided again.
         numbers = {tp.partition for tp in partitions}
         self.assigned |= numbers
+        self.joined = True
         log.info("assigned partitions %s of %s (now %s)", sorted(numbers), self.topic, sorted(self.assigned))
 
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:

@@ -755,3 +755,25 @@ def test_the_shadow_models_verdict_is_committed_with_the_feedback(tmp_path: Path
     assert len(shadowed) == 3
     assert all(f["shadow"]["model_version"] == "v2" and f["shadow"]["fraud_score"] == 0.2 for f in shadowed)
     assert any(m.get("kind") == "shadow" for m in kafka.values(OUTPUTS["monitoring"]))
+
+
+def test_a_worker_joins_its_group_before_its_first_step_and_decides_what_came_meanwhile(
+    tmp_path: Path, models: Any
+) -> None:
+    """What a starting worker does before it says Ready: join, keeping the records the join already took."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models)
+    write_new(kafka, 0, 2)
+
+    async def go() -> None:
+        await worker.stream.start()
+        assert not worker.stream.joined
+        first = await worker.stream.join(32, 5.0, list(OUTPUTS.values()))
+        assert worker.stream.joined and worker.stream.assigned == {0, 1}
+        await worker.loop.step(first)  # what the join took, if anything
+        await worker.loop.step()
+        await worker.commit()
+        await worker.stop()
+
+    asyncio.run(go())
+    assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]  # once each, whichever step took them
