@@ -1498,6 +1498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep-sizes", type=int, nargs="+", help="batch sizes of the sweep (default 8 16 32 64)")
     parser.add_argument("--sweep-windows-ms", type=int, nargs="+", help="batch windows of the sweep (default 5 10 20)")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME",
+        help="measure only these of the main variants, the legs (outside, outside-poisson, batched-x2) and fresh; "
+        "with --full-legs, the full plan's legs and fresh row in a quick run",
+    )  # fmt: skip
+    parser.add_argument("--full-legs", action="store_true", help="the full plan's legs and fresh row (with --quick)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -1512,6 +1518,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.no_sweep:
         plan = replace(plan, sweep=())
+    if args.full_legs:
+        plan = replace(plan, legs=FULL_PLAN.legs, fresh_rate=FULL_PLAN.fresh_rate, deadline_s=FULL_PLAN.deadline_s)
+    main_variants: tuple[Variant, ...] = MAIN_VARIANTS
+    if args.only:
+        main_variants = tuple(v for v in MAIN_VARIANTS if v.name in args.only)
+        plan = replace(
+            plan, legs=tuple(leg for leg in plan.legs if leg.variant.name in args.only),
+            fresh_rate=plan.fresh_rate if "fresh" in args.only else None,
+        )  # fmt: skip
 
     # SIGTERM (make killed, CI timeout) unwinds like Ctrl-C, so every worker,
     # the broker and Redis are stopped by the finally blocks below.
@@ -1527,7 +1542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare(svc)
         bench = Bench(plan, svc, workdir, started)
         bench.reserve_s = sum(leg.min_s for leg in plan.legs) + (30.0 if plan.fresh_rate else 0.0)
-        for variant in MAIN_VARIANTS:
+        for variant in main_variants:
             bench.main_variant(variant)
         for leg in plan.legs:
             bench.reserve_s -= leg.min_s

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -89,6 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--drain", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=bench_run.RESULTS_DIR / "shapes-ab.json")
     args = parser.parse_args(argv)
+
+    # SIGTERM unwinds like Ctrl-C: the finally blocks stop every worker, the broker and Redis.
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     phase = bench_run.Phase(args.warmup, args.measure, args.drain)
     started_at = datetime.now(UTC)
     started = time.monotonic()
