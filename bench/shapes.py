@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--measure", type=float, default=8.0)
     parser.add_argument("--drain", type=float, default=5.0)
+    parser.add_argument(
+        "--cells", type=int, nargs="+", help="which of CELLS to run (0-based; default all): "
+        + "; ".join(f"{i} {cell_name(c)}" for i, c in enumerate(CELLS)),
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=bench_run.RESULTS_DIR / "shapes-ab.json")
     args = parser.parse_args(argv)
 
@@ -109,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.deadline = float("inf")
         seed = 500
         for rep in range(args.repeat):
-            order = CELLS[rep % len(CELLS) :] + CELLS[: rep % len(CELLS)]
+            cells = tuple(CELLS[i] for i in args.cells) if args.cells else CELLS
+            order = cells[rep % len(cells) :] + cells[: rep % len(cells)]
             for cell in order:
                 worker_kind, load, arrivals = cell
                 variant = replace(
@@ -166,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine,
         "phase": {"warmup_s": phase.warmup_s, "measure_s": phase.measure_s, "drain_s": phase.drain_s},
         "prepared": prepared,
-        "cells": [cell_name(c) for c in CELLS],
+        "cells": [cell_name(CELLS[i]) for i in args.cells] if args.cells else [cell_name(c) for c in CELLS],
         "runs": runs,
         "summary": summary_table(runs),
         "errors": errors,
