@@ -318,19 +318,14 @@ def stamp(args: argparse.Namespace) -> int:
     import orjson
 
     from app.librdkafka import client_config
+    from tools.loadgen import partitions_at_end
 
     s = _settings()
     consumer = confluent_kafka.Consumer({
         **client_config(s, "loadgen"), "group.id": f"outside-stamper-{uuid.uuid4().hex[:8]}",
         "enable.auto.commit": False, "isolation.level": "read_committed",
     })  # fmt: skip
-    topic = s.topic_decisions
-    meta = consumer.list_topics(topic, 10.0).topics[topic]
-    tps = []
-    for p in sorted(meta.partitions):
-        _, high = consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), 10.0)
-        tps.append(confluent_kafka.TopicPartition(topic, p, high))
-    consumer.assign(tps)
+    consumer.assign(partitions_at_end(consumer, s.topic_decisions))
     control = _stdin_lines()
     seen: dict[str, list[Any]] = {}
     wanted: set[str] | None = None

@@ -200,3 +200,35 @@ def test_both_plans_measure_the_outside_shape() -> None:
     full = {leg.variant.name: leg for leg in FULL_PLAN.legs}
     assert full["outside"].variant.arrivals == "constant" and full["outside-poisson"].variant.arrivals == "poisson"
     assert full["batched-x2"].variant.workers == 2 and FULL_PLAN.fresh_rate
+
+
+def test_reading_a_new_topics_ends_waits_for_its_leaders() -> None:
+    import confluent_kafka as kafka
+
+    from tools.loadgen import partitions_at_end
+
+    class JustCreated:
+        """A topic of two partitions whose leaders are elected after two answers."""
+
+        def __init__(self) -> None:
+            self.answers = 0
+
+        def list_topics(self, topic: str, timeout: float) -> Any:
+            meta = type("Meta", (), {"partitions": {0: None, 1: None}})
+            return type("Cluster", (), {"topics": {topic: meta}})
+
+        def get_watermark_offsets(self, tp: Any, timeout: float) -> tuple[int, int]:
+            self.answers += 1
+            if self.answers <= 2:
+                raise kafka.KafkaException(kafka.KafkaError(kafka.KafkaError.NOT_LEADER_FOR_PARTITION))
+            return 0, 10 + tp.partition
+
+    ends = partitions_at_end(JustCreated(), "decisions", wait_s=5.0)
+    assert [(tp.partition, tp.offset) for tp in ends] == [(0, 10), (1, 11)]
+
+    class Refused(JustCreated):
+        def get_watermark_offsets(self, tp: Any, timeout: float) -> tuple[int, int]:
+            raise kafka.KafkaException(kafka.KafkaError(kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED))
+
+    with pytest.raises(kafka.KafkaException):  # not a missing leader: no waiting
+        partitions_at_end(Refused(), "decisions", wait_s=5.0)
