@@ -202,17 +202,31 @@ def _close(a: float | None, b: float | None, tolerance: float) -> bool | None:
     return hi == 0 or abs(a - b) <= tolerance * hi
 
 
+def _max_agree(a: Mapping[str, Any], b: Mapping[str, Any], tolerance: float) -> bool | None:
+    """Max rates compared; one found only as a lower bound (no rate failed)
+    disagrees only when it is above the other beyond ``tolerance``."""
+    ta, tb = a.get("max_tps"), b.get("max_tps")
+    la, lb = bool(a.get("max_tps_lower_bound")), bool(b.get("max_tps_lower_bound"))
+    if ta is None or tb is None or (la and lb):
+        return None
+    if la or lb:
+        low, other = (ta, tb) if la else (tb, ta)
+        return False if low > other * (1 + tolerance) else None
+    return _close(ta, tb, tolerance)
+
+
 def agreement(inside: Mapping[str, Any], outside: Mapping[str, Any], tolerance: float = 0.10) -> dict[str, Any]:
     """Whether two shapes' figures agree within ``tolerance`` (of the larger).
 
-    Each side: ``max_tps`` (highest rate with p99 < 200 ms), ``p99_ms`` and
+    Each side: ``max_tps`` (highest rate with p99 < 200 ms;
+    ``max_tps_lower_bound`` when no rate failed), ``p99_ms`` and
     ``cpu_ms`` (per process, ms per decision) by offered rate. p99 and CPU are
     compared at every rate both passed; a figure missing on one side is not
     compared (``None``), and the shapes agree only if everything compared did.
     """
     checks: list[dict[str, Any]] = [{
         "what": "max TPS at p99 < 200 ms", "inside": inside.get("max_tps"), "outside": outside.get("max_tps"),
-        "agree": _close(inside.get("max_tps"), outside.get("max_tps"), tolerance),
+        "agree": _max_agree(inside, outside, tolerance),
     }]  # fmt: skip
     common = sorted(set(inside.get("p99_ms", {})) & set(outside.get("p99_ms", {})))
     for rate in common:

@@ -129,6 +129,16 @@ def test_shapes_agree_within_ten_percent_only_when_every_figure_does() -> None:
     assert not agreement({}, {})["agree"]  # nothing compared is no agreement
 
 
+def test_a_max_rate_found_only_as_a_lower_bound_disagrees_only_when_above() -> None:
+    def verdict(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+        return agreement(a, b)["checks"][0]["agree"]
+
+    at_least_1000 = {"max_tps": 1000.0, "max_tps_lower_bound": True}
+    assert verdict({"max_tps": 2000.0}, at_least_1000) is None  # it may hold 2,000 too: not measured
+    assert verdict(at_least_1000, {"max_tps": 1000.0, "max_tps_lower_bound": True}) is None
+    assert verdict({"max_tps": 3000.0, "max_tps_lower_bound": True}, {"max_tps": 1750.0}) is False
+
+
 def summary(rate: float, p99: float, achieved: float | None = None, cpu_s: float = 1.0) -> dict[str, Any]:
     lat = {"p50": p99 / 3, "p95": p99 / 2, "p99": p99, "p99.9": p99, "max": p99}
     return {
