@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -155,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         record = bench_run.run_record(
                             variant, "ab", rate, summary, worker=handle.tag, other_pids=others
                         )
-                        record |= {"cell": cell_name(cell), "repeat": rep, "load": load}
+                        # The machine is shared: its load beside each run says how far to trust it.
+                        record |= {"cell": cell_name(cell), "repeat": rep, "load": load,
+                                   "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
                         record.pop("lag")
                         runs.append(record)
                         print(f"shapes: {cell_name(cell):<42} " + bench_run._row(record), flush=True)
