@@ -27,6 +27,7 @@ matplotlib.use("Agg")  # NOTE: before pyplot: no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from bench.criteria import THRESHOLDS_MS, generator_kept_up  # noqa: E402
 
@@ -63,6 +64,14 @@ def _subtitle(doc: Mapping[str, Any]) -> str:
     return f"{m['cores']} cores, {m['cpu_model']}, {'quick' if doc.get('quick') else 'full'} run {doc['started_at']}"
 
 
+def _rate_label(value: float, _pos: object) -> str:
+    """1, 2 and 5 times a power of ten, written out (2,000, not 2×10³); no label between."""
+    if value <= 0:
+        return ""
+    lead = value / 10 ** np.floor(np.log10(value))
+    return f"{value:,.0f}" if any(abs(lead - m) < 1e-6 for m in (1, 2, 5)) else ""
+
+
 def latency_vs_rate(doc: Mapping[str, Any], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(10, 6))
     for variant, color in variant_colors(doc).items():
@@ -77,11 +86,15 @@ def latency_vs_rate(doc: Mapping[str, Any], out: Path) -> Path:
         if bad:
             ax.scatter([r["offered_tps"] for r in bad], [r["p99_ms"] for r in bad], marker="x", s=60,
                        color=color, zorder=5)  # fmt: skip
+    # NOTE: log rates (tens to tens of thousands of TPS), set before the
+    # thresholds' labels are placed at the axis's left end.
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(_rate_label))
+    ax.xaxis.set_minor_formatter(FuncFormatter(_rate_label))
     for t in THRESHOLDS_MS:
         ax.axhline(t, color="black", lw=0.8, alpha=0.5)
         ax.text(ax.get_xlim()[0], t, f" {t:g} ms", va="bottom", fontsize=8)
     ax.set_yscale("log")
-    ax.set_xscale("log")
     ax.set_xlabel("offered rate (transactions/s; Poisson, the outside shape constant unless named -poisson)")
     ax.set_ylabel("latency send → decision read (ms)")
     ax.set_title(f"Latency vs offered rate (x: decisions lost, or the generator lagged)\n{_subtitle(doc)}", fontsize=10)

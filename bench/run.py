@@ -1449,7 +1449,8 @@ def _shape_lines(doc: Mapping[str, Any]) -> list[str]:
         lines.append(f"load shapes {pair} (within {entry['tolerance']:.0%}): {verdict}")
         for c in entry["checks"]:
             mark = {True: "ok", False: "NO", None: "-"}[c["agree"]]
-            lines.append(f"  {c['what']:<34}{_num(c['inside'], 10, 2)}{_num(c['outside'], 10, 2)}  {mark}")
+            digits = 3 if "CPU" in c["what"] else 1  # CPU: tenths of a ms are most of the figure
+            lines.append(f"  {c['what']:<34}{_num(c['inside'], 10, digits)}{_num(c['outside'], 10, digits)}  {mark}")
     scaling = doc.get("scaling")
     if scaling:
         lines.append("")
