@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.procs import proc_cpu_s, proc_rss_mb
+
 __all__ = [
     "ARRIVALS",
     "OutsideError",
@@ -523,8 +525,6 @@ class OutsideSession:
         """One run: the summary, and the two processes' files (sends, arrivals).
         ``before_go``: called once both processes are ready, just before sending
         starts (e.g. to start a fresh worker and wait for its Ready)."""
-        from bench.run import proc_cpu_s, proc_rss_mb
-
         self._runs += 1
         base = self.workdir / f"run-{self._runs}"
         sends_path, arrivals_path = base.with_suffix(".sends.json"), base.with_suffix(".arrivals.json")
