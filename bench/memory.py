@@ -36,7 +36,7 @@ def main() -> None:
             cfg = LoadConfig(
                 rate=args.rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
                 data=DATA, seed=7, report_every_s=SAMPLE_EVERY_S, quiet=True,
-                settings=worker.settings, sample=_sampler(worker.pid, svc.pids),
+                settings=worker.settings, sample=_sampler([worker.pid], svc.pids),
             )  # fmt: skip
             summary = asyncio.run(run_load(cfg))
         finally:

@@ -2,7 +2,7 @@
 
     python -m bench.plots [bench/results/latest.json]   # redraw without rerunning
 
-latency_vs_rate.png  p50/p95/p99 against offered rate, ceiling vs unbatched vs batched
+latency_vs_rate.png  p50/p95/p99 against offered rate, every variant (bare, peers, the outside shape included)
 stages.png           the pipeline's own per-stage latency (the decisions' ``latency_ms``)
 lag.png              transactions awaiting their decision over each main run
 sweep.png            p99 and throughput over batch size × window (full mode only)
@@ -27,13 +27,16 @@ matplotlib.use("Agg")  # NOTE: before pyplot: no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from bench.criteria import THRESHOLDS_MS, generator_kept_up  # noqa: E402
 
 __all__ = ["knobs_plot", "plot_all"]
 
+#: Fixed colours for the variants every run has; any other variant (the
+#: outside shape, two workers) gets the next free one of tab10.
 COLORS = {
-    "ceiling": "tab:gray", "streams": "tab:olive", "streams-25ms": "tab:green",
+    "bare": "tab:green", "ceiling": "tab:gray", "streams": "tab:olive", "streams-25ms": "tab:cyan",
     "unbatched": "tab:red", "batched": "tab:blue",
 }  # fmt: skip
 #: The pipeline's stages in flow order; stages it adds later are drawn after these.
@@ -47,14 +50,34 @@ def _runs(doc: Mapping[str, Any], variant: str, phases: Sequence[str] = ("rate",
     return sorted(runs, key=lambda r: r["offered_tps"])
 
 
+def variant_colors(doc: Mapping[str, Any]) -> dict[str, str]:
+    """Every variant with a rate or search run, in the order of first appearance,
+    mapped to its colour: the fixed ones of COLORS, then tab10's free ones."""
+    names = list(dict.fromkeys(r["variant"] for r in doc["runs"] if r.get("phase") in ("rate", "search")))
+    free = iter(c for c in (f"tab:{n}" for n in ("orange", "purple", "brown", "pink", "olive", "cyan"))
+                if c not in COLORS.values())  # fmt: skip
+    out = {}
+    for name in sorted(names, key=lambda n: (n not in COLORS, list(COLORS).index(n) if n in COLORS else 0)):
+        out[name] = COLORS.get(name) or next(free, "black")
+    return out
+
+
 def _subtitle(doc: Mapping[str, Any]) -> str:
     m = doc["machine"]
     return f"{m['cores']} cores, {m['cpu_model']}, {'quick' if doc.get('quick') else 'full'} run {doc['started_at']}"
 
 
+def _rate_label(value: float, _pos: object) -> str:
+    """1, 2 and 5 times a power of ten, written out (2,000, not 2×10³); no label between."""
+    if value <= 0:
+        return ""
+    lead = value / 10 ** np.floor(np.log10(value))
+    return f"{value:,.0f}" if any(abs(lead - m) < 1e-6 for m in (1, 2, 5)) else ""
+
+
 def latency_vs_rate(doc: Mapping[str, Any], out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for variant, color in COLORS.items():
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for variant, color in variant_colors(doc).items():
         runs = [r for r in _runs(doc, variant) if r["p50_ms"] is not None]
         if not runs:
             continue
@@ -66,16 +89,21 @@ def latency_vs_rate(doc: Mapping[str, Any], out: Path) -> Path:
         if bad:
             ax.scatter([r["offered_tps"] for r in bad], [r["p99_ms"] for r in bad], marker="x", s=60,
                        color=color, zorder=5)  # fmt: skip
+    # NOTE: log rates (tens to tens of thousands of TPS), set before the
+    # thresholds' labels are placed at the axis's left end.
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(_rate_label))
+    ax.xaxis.set_minor_formatter(FuncFormatter(_rate_label))
     for t in THRESHOLDS_MS:
         ax.axhline(t, color="black", lw=0.8, alpha=0.5)
         ax.text(ax.get_xlim()[0], t, f" {t:g} ms", va="bottom", fontsize=8)
     ax.set_yscale("log")
-    ax.set_xlabel("offered rate (transactions/s, Poisson)")
+    ax.set_xlabel("offered rate (transactions/s; Poisson, the outside shape constant unless named -poisson)")
     ax.set_ylabel("latency send → decision read (ms)")
     ax.set_title(f"Latency vs offered rate (x: decisions lost, or the generator lagged)\n{_subtitle(doc)}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=3)
+        ax.legend(fontsize=6, ncol=3)
     path = out / "latency_vs_rate.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -155,7 +183,7 @@ def lag(doc: Mapping[str, Any], out: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
     for ax, rate in zip(axes[0], rates):
-        for variant, color in COLORS.items():
+        for variant, color in variant_colors(doc).items():
             for r in _runs(doc, variant, ("rate",)):
                 if r["offered_tps"] == rate and r["lag"]:
                     t, n = zip(*r["lag"])

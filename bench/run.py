@@ -1,7 +1,7 @@
 """The benchmark: transport ceiling, Kafka Streams peer, unbatched and batched pipeline, one broker, one run.
 
-    python -m bench.run            # full: about 15 minutes
-    python -m bench.run --quick    # 1,000 TPS and one search probe, short runs, no sweep: about 1 minute
+    python -m bench.run            # full: about 18 minutes
+    python -m bench.run --quick    # 1,000 TPS and one search probe, short runs, no sweep: about 3 minutes
 
 Every variant gets its own worker subprocess on fresh topics, a probe transaction that must come back before load
 starts, warm-up seconds left out of every figure, and open-loop Poisson load
@@ -17,7 +17,22 @@ from :func:`tools.loadgen.run_load`. Variants:
     batched      ``fraud-pipeline worker`` with the default settings (64 per batch, 10 ms window)
     sweep-S-MS   batch size S × window MS ms, at one rate (full mode only)
 
-For each of these but the sweep it then searches the highest offered rate that
+Then the legs (:class:`Leg`), each at its own rates with its own searches:
+
+    outside          the batched pipeline as an independent client loads it
+                     (bench/outside.py): a constant-rate generator process, a
+                     read_committed stamper process, topics from
+                     ``fraud-pipeline topics``, ``fraud-pipeline worker --role
+                     score`` with default settings; 5 s of warm-up
+    outside-poisson  the same with Poisson arrivals (full mode only)
+    batched-x2       two batched workers in one group (full mode only)
+    fresh            a fresh worker's first 5 s after it logs Ready, under
+                     load at 1,500 TPS (outside shape; full mode only)
+
+and the report says whether ``batched`` and ``outside`` agree within 10 % on
+the max rate, p99 and CPU per decision (``shapes`` in the results).
+
+For each main variant it then searches the highest offered rate that
 keeps p99 under 200 ms and under 50 ms (see :func:`next_probe`). A run passes a
 threshold only if nothing was lost, at most 1 % of decisions were degraded
 (the model missed its budget, so the rules alone decided) and the generator
@@ -54,10 +69,14 @@ from typing import Any
 
 from bench import streams_peer
 from bench.criteria import GENERATOR_LAG_LIMIT_MS, THRESHOLDS_MS, generator_kept_up
+from bench.outside import OutsideError
+from bench.procs import parse_stat_cpu_s, parse_status_rss_mb, proc_cpu_s, proc_rss_mb
 
 __all__ = [
     "FULL_PLAN",
     "QUICK_PLAN",
+    "Leg",
+    "OutsideWorkers",
     "Plan",
     "Variant",
     "bracket",
@@ -72,6 +91,9 @@ __all__ = [
     "ratios",
     "run_record",
     "saturated_tps",
+    "scaling_doc",
+    "shape_figures",
+    "shapes_doc",
     "sustainable",
     "validate_results",
 ]
@@ -138,6 +160,15 @@ class Variant:
     commit_interval_s: float | None = None
     """The pipeline's FRAUD_COMMIT_INTERVAL_S, or Kafka Streams' commit.interval.ms
     for ``streams`` (None: the default, each its own)."""
+    workers: int = 1
+    """Processes in one consumer group on the variant's topics (scaling by partitions)."""
+    shape: str = "inside"
+    """How load reaches it: ``inside`` (:func:`tools.loadgen.run_load` in the
+    harness, the worker on the bench's topics and settings) or ``outside``
+    (:mod:`bench.outside`: generator and stamper processes, default topics,
+    ``fraud-pipeline worker`` with default settings; only ``kind`` pipeline)."""
+    arrivals: str = "poisson"
+    """``poisson`` or ``constant`` (the outside shape's generator offers both)."""
 
     @property
     def passthrough(self) -> bool:
@@ -172,6 +203,12 @@ BATCHED = Variant("batched", kind="pipeline", batch_size=DEFAULT_BATCH[0], batch
 STREAMS = Variant("streams", kind="streams", batch_size=DEFAULT_BATCH[0], batch_window_s=DEFAULT_BATCH[1])
 STREAMS_25MS = replace(STREAMS, name="streams-25ms", commit_interval_s=0.025)
 MAIN_VARIANTS = (BARE, CEILING, STREAMS, STREAMS_25MS, UNBATCHED, BATCHED)
+#: Two processes of the batched pipeline in one group: 8 partitions split 4 / 4.
+BATCHED_X2 = replace(BATCHED, name="batched-x2", workers=2)
+#: The batched pipeline as an independent client loads it (bench/outside.py):
+#: a constant-rate generator process and a read_committed stamper process.
+OUTSIDE = replace(BATCHED, name="outside", shape="outside", arrivals="constant")
+OUTSIDE_POISSON = replace(OUTSIDE, name="outside-poisson", arrivals="poisson")
 
 
 def sweep_variants(sizes: Sequence[int], windows_ms: Sequence[int]) -> tuple[Variant, ...]:
@@ -198,6 +235,22 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Leg:
+    """A variant measured after the main ones, at its own rates and phases."""
+
+    variant: Variant
+    rates: tuple[float, ...]
+    main: Phase
+    search: Phase
+    search_steps: tuple[int, ...]
+
+    @property
+    def min_s(self) -> float:
+        """What its main rates take at least, one worker start included (a guess: 10 s)."""
+        return 10.0 + len(self.rates) * (self.main.load_s + self.main.drain_s)
+
+
+@dataclass(frozen=True)
 class Plan:
     quick: bool
     rates: tuple[float, ...]
@@ -214,6 +267,11 @@ class Plan:
     """Searches stop probing when the rest of the plan would not fit before this."""
     variants: tuple[Variant, ...] = MAIN_VARIANTS
     """Measured at every rate and searched, in this order."""
+    legs: tuple[Leg, ...] = ()
+    """Measured after the main variants, before the first seconds and the sweep."""
+    fresh_rate: float | None = None
+    """A fresh worker's first ``fresh_s`` seconds after Ready under load at this rate (outside shape)."""
+    fresh_s: float = 5.0
 
 
 FULL_PLAN = Plan(
@@ -238,9 +296,18 @@ FULL_PLAN = Plan(
     # within ~2.5 s) fell in the window of most cells: the defaults' p99 356
     # and 427 ms with 1 s against 83 and 82 ms with 4 s (knobs-start-1500*.json).
     sweep_phase=Phase(warmup_s=4.0, measure_s=4.0, drain_s=3.0),
-    # NOTE: 780 s before the Kafka Streams peer's two variants, which take
-    # ~150 s each (five rates, a JVM start, the searches).
-    deadline_s=1080.0,
+    # NOTE: ~10.5 minutes for the main variants and the sweep, ~5 for the
+    # Kafka Streams peer's two variants (five rates, a JVM start, the
+    # searches), ~4 for the outside shape, two workers and a fresh worker;
+    # the sweep gets what is left (its cells are cut first).
+    deadline_s=1170.0,
+    legs=(
+        # The outside shape warms up 5 s, as the independent client did.
+        Leg(OUTSIDE, (500.0, 1000.0, 2000.0), Phase(5.0, 8.0, 5.0), Phase(5.0, 4.0, 2.0), (2, 0)),
+        Leg(OUTSIDE_POISSON, (1000.0, 2000.0), Phase(5.0, 8.0, 5.0), Phase(5.0, 4.0, 2.0), (0, 0)),
+        Leg(BATCHED_X2, (1000.0, 2000.0, 4000.0), Phase(4.0, 8.0, 5.0), Phase(4.0, 4.0, 2.0), (2, 0)),
+    ),
+    fresh_rate=1500.0,
 )
 QUICK_PLAN = Plan(
     quick=True,
@@ -255,31 +322,15 @@ QUICK_PLAN = Plan(
     sweep=(),
     sweep_rate=2500.0,
     sweep_phase=Phase(warmup_s=1.0, measure_s=3.0, drain_s=2.0),
-    deadline_s=200.0,
+    deadline_s=230.0,
     # One Kafka Streams variant: the one at the pipeline's own commit interval.
     variants=(BARE, CEILING, STREAMS_25MS, UNBATCHED, BATCHED),
+    # The outside shape at the main rate: whether the two shapes agree, roughly.
+    legs=(Leg(OUTSIDE, (1000.0,), Phase(3.0, 4.0, 4.0), Phase(3.0, 3.0, 2.0), (0, 0)),),
 )
 
 
 # --- pure parts: readings, pass/fail, the search, the results document ------------------
-
-
-def parse_stat_cpu_s(stat: str, clk_tck: int) -> float:
-    """User + system CPU seconds from a ``/proc/<pid>/stat`` line.
-
-    The command name (field 2) may hold spaces and parentheses, so fields are
-    counted from the last ``)``: utime and stime are fields 14 and 15.
-    """
-    rest = stat[stat.rindex(")") + 2 :].split()
-    return (int(rest[11]) + int(rest[12])) / clk_tck
-
-
-def parse_status_rss_mb(status: str) -> float | None:
-    """Resident set size in MiB from ``/proc/<pid>/status`` (``VmRSS:  1234 kB``)."""
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return None
 
 
 def cpu_pct_between(timeline: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -316,6 +367,9 @@ def run_record(
         "variant": variant.name,
         "phase": phase,
         "worker": worker,
+        "shape": variant.shape,
+        "arrivals": variant.arrivals,
+        "workers": variant.workers,
         "batch_size": variant.batch_size,
         "batch_window_ms": round(variant.batch_window_s * 1000, 3),
         "offered_tps": offered_tps,
@@ -567,6 +621,51 @@ def cpu_by_rate(runs: Sequence[Mapping[str, Any]], threshold_ms: float = 200.0) 
     return out
 
 
+def shape_figures(
+    runs: Sequence[Mapping[str, Any]], max_sustainable: Mapping[str, Any], variant: str
+) -> dict[str, Any]:
+    """What the shapes are compared on, for one variant: its max rate at p99 <
+    200 ms, and p99 and CPU ms per decision at each rate it passed."""
+    rows = [r for r in cpu_by_rate(runs).get(variant, []) if r["passes"]]
+    entry = max_sustainable.get(variant, {}).get(threshold_key(200.0)) or {}
+    return {
+        "max_tps": entry.get("tps"),
+        "max_tps_lower_bound": entry.get("lower_bound"),
+        "p99_ms": {r["offered_tps"]: r["p99_ms"] for r in rows},
+        "cpu_ms": {
+            r["offered_tps"]: {k: r.get(k) for k in ("worker", "broker", "redis", "loadgen", "stamper")} for r in rows
+        },  # fmt: skip
+    }
+
+
+#: The inside shape's variant each outside variant is compared with.
+SHAPE_PAIRS = (("batched", "outside"), ("batched", "outside-poisson"))
+
+
+def shapes_doc(runs: Sequence[Mapping[str, Any]], max_sustainable: Mapping[str, Any]) -> dict[str, Any]:
+    """Per pair of :data:`SHAPE_PAIRS` measured in this run: both sides' figures
+    and whether they agree within 10 % (:func:`bench.outside.agreement`)."""
+    from bench.outside import agreement
+
+    out: dict[str, Any] = {}
+    for inside, outside in SHAPE_PAIRS:
+        if inside in max_sustainable and outside in max_sustainable:
+            a = shape_figures(runs, max_sustainable, inside)
+            b = shape_figures(runs, max_sustainable, outside)
+            out[f"{inside} vs {outside}"] = {"inside": a, "outside": b, **agreement(a, b)}
+    return out
+
+
+def scaling_doc(max_sustainable: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The batched pipeline's knee with one worker and with two (same group)."""
+    if "batched-x2" not in max_sustainable:
+        return None
+    key = threshold_key(200.0)
+    one = (max_sustainable.get("batched", {}).get(key) or {}).get("tps")
+    two = (max_sustainable["batched-x2"].get(key) or {}).get("tps")
+    return {"workers_1_tps": one, "workers_2_tps": two, "ratio": round(two / one, 3) if one and two else None}
+
+
 _RUN_FIELDS: dict[str, tuple[type, ...]] = {
     "variant": (str,),
     "offered_tps": (int, float),
@@ -634,35 +733,22 @@ def machine_info() -> dict[str, Any]:
 
 # --- processes --------------------------------------------------------------------------
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    try:
-        return parse_stat_cpu_s(Path(f"/proc/{pid}/stat").read_text(), _CLK_TCK)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def proc_rss_mb(pid: int) -> float | None:
-    try:
-        return parse_status_rss_mb(Path(f"/proc/{pid}/status").read_text())
-    except OSError:
-        return None
-
 
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
 
 
-def _sampler(worker_pid: int, others: Mapping[str, int]) -> Callable[[], dict[str, float]]:
-    """Readings for :class:`tools.loadgen.LoadConfig.sample`: CPU seconds and RSS."""
+def _sampler(worker_pids: Sequence[int], others: Mapping[str, int]) -> Callable[[], dict[str, float]]:
+    """Readings for :class:`tools.loadgen.LoadConfig.sample`: CPU seconds (summed
+    over a variant's worker processes) and RSS (the largest)."""
 
     def sample() -> dict[str, float]:
+        cpu = [proc_cpu_s(pid) for pid in worker_pids]
+        rss = [proc_rss_mb(pid) for pid in worker_pids]
         out: dict[str, Any] = {
-            "cpu_s": proc_cpu_s(worker_pid),
-            "rss_mb": proc_rss_mb(worker_pid),
+            "cpu_s": None if None in cpu else sum(c for c in cpu if c is not None),
+            "rss_mb": None if None in rss else max(r for r in rss if r is not None),
             # The generator shares the machine: its CPU is part of the picture.
             "loadgen_cpu_s": _own_cpu_s(),
         }
@@ -736,6 +822,8 @@ class Worker:
             argv = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
             argv.append("worker")
         argv += ["--web-port", str(port), "--loglevel", "info"]
+        self.peers: list[Worker] = []
+        """Further processes in this worker's group (``variant.workers`` > 1), stopped with it."""
         self.log_path = workdir / f"worker-{self.tag}.log"
         (workdir / "faust").mkdir(parents=True, exist_ok=True)  # faust makes only the last level
         self.started_at = time.monotonic()
@@ -750,8 +838,12 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid, *(p.pid for p in self.peers)]
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None and all(p.alive() for p in self.peers)
 
     def tail(self, lines: int = 12) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -785,8 +877,10 @@ class Worker:
             raise WorkerError(f"worker {self.tag} answered no probe in {PROBE_TIMEOUT_S:.0f} s:\n{self.tail()}")
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
-        if not self.alive():
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S (its peers first)."""
+        for peer in self.peers:
+            peer.stop()
+        if self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -981,21 +1075,54 @@ class Bench:
         # Running estimates for the deadline check (seconds); refined as we go.
         self._start_s = 10.0
         self._stop_s = 2.0
+        self.reserve_s = 0.0
+        """Seconds the main variants' searches leave for what comes after them."""
 
     # -- workers and single runs --
 
-    def _start(self, variant: Variant) -> Worker:
+    def _start(self, variant: Variant) -> Worker | OutsideWorkers:
+        if variant.shape == "outside":
+            return self._start_outside(variant)
         worker = Worker(variant, self.svc, self.workdir)
+        worker.peers = [Worker(variant, self.svc, self.workdir, join=worker) for _ in range(variant.workers - 1)]
         try:
-            took = worker.wait_ready()
+            took = max(w.wait_ready() for w in (worker, *worker.peers))
         except BaseException:
             worker.stop()
             raise
         self._start_s = max(self._start_s, took)
-        print(f"bench: {variant.name}: worker {worker.tag} (pid {worker.pid}) ready in {took:.1f} s", flush=True)
+        print(f"bench: {variant.name}: worker {worker.tag} (pids {worker.pids}) ready in {took:.1f} s", flush=True)
         return worker
 
-    def _stop(self, worker: Worker | None) -> None:
+    def _outside(self, variant: Variant) -> OutsideWorkers:
+        """An outside session on topics of its own, created by ``fraud-pipeline topics``; no worker yet."""
+        from bench.outside import OutsideSession
+
+        tag = f"{variant.name}-{uuid.uuid4().hex[:8]}"
+        # NOTE: names of its own (default partition counts and configs) so that
+        # each session starts from empty topics and a new group, as a fresh
+        # deployment does; every other setting is the worker's default.
+        names = {f"FRAUD_TOPIC_{n.upper()}": f"{tag}-{n}" for n in OutsideWorkers.TOPICS} | {"FRAUD_APP_ID": tag}
+        session = OutsideSession({**self.svc.env(), **names}, self.svc.pids, self.workdir, POPULATION, _cli(),
+                                 workers=variant.workers)  # fmt: skip
+        created = session.topics()
+        print(f"bench: {variant.name}: fraud-pipeline topics: {'; '.join(created.splitlines())}", flush=True)
+        return OutsideWorkers(variant, tag, session, list(names.values())[:-1])
+
+    def _start_outside(self, variant: Variant) -> OutsideWorkers:
+        t0 = time.monotonic()
+        outside = self._outside(variant)
+        try:
+            outside.session.start()
+        except BaseException:
+            self._stop(outside)
+            raise
+        took = time.monotonic() - t0
+        self._start_s = max(self._start_s, took)
+        print(f"bench: {variant.name}: workers {outside.session.worker_pids} ready in {took:.1f} s", flush=True)
+        return outside
+
+    def _stop(self, worker: Worker | OutsideWorkers | None) -> None:
         if worker is not None:
             t0 = time.monotonic()
             worker.stop()
@@ -1004,19 +1131,28 @@ class Bench:
             asyncio.run(_delete_topics(self.svc.bootstrap, list(worker.topics.values()), self.svc.admin_options()))
             self._stop_s = max(self._stop_s, time.monotonic() - t0)
 
-    def _measure(self, worker: Worker, rate: float, phase: Phase, label: str) -> dict[str, Any]:
+    def _measure(self, worker: Worker | OutsideWorkers, rate: float, phase: Phase, label: str) -> dict[str, Any]:
         from tools.loadgen import LoadConfig, run_load
 
         self._seed += 1
-        cfg = LoadConfig(
-            rate=rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
-            data=POPULATION, seed=self._seed, report_every_s=SAMPLE_EVERY_S, quiet=True, verify_share=VERIFY_SHARE,
-            settings=worker.settings, sample=_sampler(worker.pid, self.svc.pids), prebuild=True,
-        )  # fmt: skip
-        summary = asyncio.run(run_load(cfg))
-        record = run_record(worker.variant, label, rate, summary, worker=worker.tag, other_pids=tuple(self.svc.pids))
+        if isinstance(worker, OutsideWorkers):
+            summary, _, _ = worker.session.run(
+                rate, arrivals=worker.variant.arrivals, warmup_s=phase.warmup_s, measure_s=phase.measure_s,
+                drain_s=phase.drain_s, seed=self._seed,
+            )  # fmt: skip
+            others: tuple[str, ...] = ("stamper", *self.svc.pids)
+        else:
+            cfg = LoadConfig(
+                rate=rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
+                data=POPULATION, seed=self._seed, report_every_s=SAMPLE_EVERY_S, quiet=True,
+                verify_share=VERIFY_SHARE, settings=worker.settings, sample=_sampler(worker.pids, self.svc.pids),
+                prebuild=True,
+            )  # fmt: skip
+            summary = asyncio.run(run_load(cfg))
+            others = tuple(self.svc.pids)
+        record = run_record(worker.variant, label, rate, summary, worker=worker.tag, other_pids=others)
         if not worker.alive():
-            record["error"] = f"worker exited ({worker.proc.returncode}) during the run"
+            record["error"] = "a worker exited during the run"
         self.runs.append(record)
         print("bench:   " + _row(record), flush=True)
         return record
@@ -1033,23 +1169,29 @@ class Bench:
 
     # -- the phases --
 
-    def main_variant(self, variant: Variant) -> None:
-        """The main rates, then the searches, on one worker (replaced when backlogged)."""
+    def main_variant(self, variant: Variant, leg: Leg | None = None) -> None:
+        """The main rates, then the searches, on one worker (replaced when backlogged).
+        ``leg``: its rates, phases and search steps instead of the plan's."""
         plan, worker = self.plan, None
+        rates, main, search = (leg.rates, leg.main, leg.search) if leg else (plan.rates, plan.main, plan.search)
+        steps = leg.search_steps if leg else plan.search_steps
         mine: list[dict[str, Any]] = []
         try:
-            for rate in plan.rates:
+            for rate in rates:
                 if any(r["achieved_tps"] < 0.8 * r["offered_tps"] for r in mine):
                     break  # saturated already: a higher rate only grows the backlog
+                if leg and not self._afford(main.load_s + main.drain_s + (0 if worker else self._start_s)):
+                    self.truncated.append(f"{variant.name}: {rate:,.0f} TPS")
+                    break
                 worker = worker or self._start(variant)
-                record = self._measure(worker, rate, plan.main, "rate")
+                record = self._measure(worker, rate, main, "rate")
                 mine.append(record)
                 if _spent(record):
                     self._stop(worker)
                     worker = None
-                worker = self._repeat_if_spike(variant, worker, record, mine, plan.main, max(THRESHOLDS_MS))
-            for threshold, steps in zip(THRESHOLDS_MS, plan.search_steps):
-                for _ in range(steps):
+                worker = self._repeat_if_spike(variant, worker, record, mine, main, max(THRESHOLDS_MS))
+            for threshold, n in zip(THRESHOLDS_MS, steps):
+                for _ in range(n):
                     outcomes = verdicts(mine, threshold)
                     probe = next_probe(
                         outcomes,
@@ -1060,20 +1202,21 @@ class Bench:
                     if probe is None:
                         break
                     rate = probe
-                    cost = plan.search.load_s + plan.search.drain_s + (0 if worker else self._start_s)
+                    cost = search.load_s + search.drain_s + (0 if worker else self._start_s)
                     # The searches give the acceptance figures (max sustainable
-                    # rates, ratios): they go before the sweep, which gets the rest.
-                    if not self._afford(cost):
+                    # rates, ratios): they go before the sweep, which gets the
+                    # rest, and leave the legs still to come their main rates.
+                    if not self._afford(cost, self.reserve_s):
                         self.truncated.append(f"{variant.name}: search for {threshold_key(threshold)}")
                         break
                     worker = worker or self._start(variant)
-                    record = self._measure(worker, rate, plan.search, "search")
+                    record = self._measure(worker, rate, search, "search")
                     mine.append(record)
                     if _spent(record):
                         self._stop(worker)
                         worker = None
-                    worker = self._repeat_if_spike(variant, worker, record, mine, plan.search, threshold)
-        except WorkerError as exc:
+                    worker = self._repeat_if_spike(variant, worker, record, mine, search, threshold)
+        except (WorkerError, OutsideError) as exc:
             self.errors.append({"variant": variant.name, "error": str(exc)})
             print(f"bench: {variant.name}: {exc}", file=sys.stderr, flush=True)
         finally:
@@ -1081,9 +1224,9 @@ class Bench:
         self.max_sustainable[variant.name] = {threshold_key(t): sustainable(mine, t) for t in THRESHOLDS_MS}
 
     def _repeat_if_spike(
-        self, variant: Variant, worker: Worker | None, record: Mapping[str, Any], mine: list[dict[str, Any]],
+        self, variant: Variant, worker: Worker | OutsideWorkers | None, record: Mapping[str, Any], mine: list[dict[str, Any]],
         phase: Phase, threshold: float,
-    ) -> Worker | None:  # fmt: skip
+    ) -> Worker | OutsideWorkers | None:  # fmt: skip
         """Measure a failing, unsaturated rate once more on a fresh worker (see :func:`needs_repeat`)."""
         if not needs_repeat(record, mine, threshold):
             return worker
@@ -1113,6 +1256,59 @@ class Bench:
                 print(f"bench: {variant.name}: {exc}", file=sys.stderr, flush=True)
             finally:
                 self._stop(worker)
+
+    def fresh(self) -> None:
+        """A fresh worker's first ``fresh_s`` seconds after Ready, under load at
+        ``fresh_rate`` (outside shape): generator and stamper wait ready, the
+        worker starts, and sending starts the moment it logs Ready."""
+        from bench.outside import first_seconds
+
+        plan = self.plan
+        if plan.fresh_rate is None:
+            return
+        if not self._afford(self._start_s + plan.fresh_s + 10.0 + self._stop_s):
+            self.truncated.append("a fresh worker's first seconds")
+            return
+        variant = replace(OUTSIDE, name="fresh")
+        outside = None
+        self._seed += 1
+        try:
+            outside = self._outside(variant)
+            session = outside.session
+            summary, sends, got = session.run(
+                plan.fresh_rate, arrivals="constant", warmup_s=0.0, measure_s=plan.fresh_s, drain_s=10.0,
+                seed=self._seed, before_go=session.start,
+            )  # fmt: skip
+            assert session.ready_at is not None  # set by session.start
+            record = run_record(variant, "fresh", plan.fresh_rate, summary, worker=outside.tag,
+                                other_pids=("stamper", *self.svc.pids))  # fmt: skip
+            record["first_seconds"] = first_seconds(sends, got, session.ready_at, plan.fresh_s)
+            self.runs.append(record)
+            print("bench:   " + _row(record), flush=True)
+        except OutsideError as exc:
+            self.errors.append({"variant": variant.name, "error": str(exc)})
+            print(f"bench: {variant.name}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self._stop(outside)
+
+
+class OutsideWorkers:
+    """An outside session (:class:`bench.outside.OutsideSession`) as the harness
+    drives a worker: its variant, a tag, its topics (deleted when it stops)."""
+
+    TOPICS = ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels")
+
+    def __init__(self, variant: Variant, tag: str, session: Any, topic_names: Sequence[str]) -> None:
+        self.variant = variant
+        self.tag = tag
+        self.session = session
+        self.topics = dict(zip(self.TOPICS, topic_names))
+
+    def alive(self) -> bool:
+        return bool(self.session.alive())
+
+    def stop(self) -> None:
+        self.session.stop()
 
 
 async def _delete_topics(bootstrap: str, names: list[str], options: Mapping[str, Any] | None = None) -> None:
@@ -1217,19 +1413,58 @@ def format_report(doc: Mapping[str, Any]) -> str:
     by_rate = doc.get("cpu_ms_per_decision_by_rate") or {}
     if by_rate:
         lines.append("")
-        lines.append("CPU ms per decision by offered rate (worker / broker / redis / loadgen; * the knee, x failed):")
+        lines.append(
+            "CPU ms per decision by offered rate (worker / broker / redis / generator [/ stamper, the outside "
+            "shape's consumer]; * the knee, x failed):"
+        )
         for variant, rows in by_rate.items():
             cells = [
                 f"{r['offered_tps']:,.0f}{'*' if r['knee'] else '' if r['passes'] else 'x'} "
-                + "/".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("worker", "broker", "redis", "loadgen"))
+                + "/".join(
+                    "-" if r.get(k) is None else f"{r[k]:.2f}"
+                    for k in ("worker", "broker", "redis", "loadgen", "stamper")
+                    if k != "stamper" or r.get(k) is not None
+                )
                 for r in rows
             ]
             lines.append(f"  {variant:<10} " + "  ".join(cells))
+    lines += _shape_lines(doc)
     for note in doc.get("truncated", []):
         lines.append(f"cut short by the time budget: {note}")
     for err in doc.get("errors", []):
         lines.append(f"ERROR {err['variant']}: {err['error'].splitlines()[0]}")
     return "\n".join(lines)
+
+
+def _shape_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The two load shapes' agreement, the scaling by partitions and a fresh worker's first seconds."""
+    lines: list[str] = []
+    for pair, entry in (doc.get("shapes") or {}).items():
+        verdict = "AGREE" if entry["agree"] else "DISAGREE"
+        lines.append("")
+        lines.append(f"load shapes {pair} (within {entry['tolerance']:.0%}): {verdict}")
+        for c in entry["checks"]:
+            mark = {True: "ok", False: "NO", None: "-"}[c["agree"]]
+            digits = 3 if "CPU" in c["what"] else 1  # CPU: tenths of a ms are most of the figure
+            lines.append(f"  {c['what']:<34}{_num(c['inside'], 10, digits)}{_num(c['outside'], 10, digits)}  {mark}")
+    scaling = doc.get("scaling")
+    if scaling:
+        lines.append("")
+        lines.append(
+            f"scaling by partitions (batched, p99 < 200 ms): 1 worker {_num(scaling['workers_1_tps'], 0)} TPS, "
+            f"2 workers {_num(scaling['workers_2_tps'], 0)} TPS (x{scaling['ratio']})"
+        )
+    fresh = next((r for r in doc["runs"] if r.get("first_seconds")), None)
+    if fresh:
+        f = fresh["first_seconds"]
+        lat = f["latency_ms"]
+        lines.append("")
+        lines.append(
+            f"a fresh worker's first {f['seconds']:g} s after Ready at {fresh['offered_tps']:,.0f} TPS: "
+            f"{f['decided']:,} decided, p50 {lat['p50']} / p99 {lat['p99']} / max {lat['max']} ms; p99 per second "
+            f"{f['p99_by_second']}; {f['undecided_at_end']} sent in them undecided by their end"
+        )
+    return lines
 
 
 def write_results(doc: dict[str, Any], out_dir: Path) -> Path:
@@ -1260,6 +1495,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep-sizes", type=int, nargs="+", help="batch sizes of the sweep (default 8 16 32 64)")
     parser.add_argument("--sweep-windows-ms", type=int, nargs="+", help="batch windows of the sweep (default 5 10 20)")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME",
+        help="measure only these of the main variants, the legs (outside, outside-poisson, batched-x2) and fresh; "
+        "with --full-legs, the full plan's legs and fresh row in a quick run",
+    )  # fmt: skip
+    parser.add_argument("--full-legs", action="store_true", help="the full plan's legs and fresh row (with --quick)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -1274,6 +1515,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.no_sweep:
         plan = replace(plan, sweep=())
+    if args.full_legs:
+        plan = replace(plan, legs=FULL_PLAN.legs, fresh_rate=FULL_PLAN.fresh_rate, deadline_s=FULL_PLAN.deadline_s)
+    main_variants: tuple[Variant, ...] = plan.variants
+    if args.only:
+        main_variants = tuple(v for v in plan.variants if v.name in args.only)
+        plan = replace(
+            plan, legs=tuple(leg for leg in plan.legs if leg.variant.name in args.only),
+            fresh_rate=plan.fresh_rate if "fresh" in args.only else None,
+        )  # fmt: skip
 
     # SIGTERM (make killed, CI timeout) unwinds like Ctrl-C, so every worker,
     # the broker and Redis are stopped by the finally blocks below.
@@ -1288,8 +1538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with services(workdir) as svc:
         prepared = prepare(svc)
         bench = Bench(plan, svc, workdir, started)
-        for variant in plan.variants:
+        bench.reserve_s = sum(leg.min_s for leg in plan.legs) + (30.0 if plan.fresh_rate else 0.0)
+        for variant in main_variants:
             bench.main_variant(variant)
+        for leg in plan.legs:
+            bench.reserve_s -= leg.min_s
+            bench.main_variant(leg.variant, leg)
+        bench.reserve_s = 0.0
+        bench.fresh()
         bench.sweep()
         settings = _settings_doc(svc)
     doc: dict[str, Any] = {
@@ -1309,6 +1565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_ms_per_decision": cpu_per_decision_by_variant(bench.runs),
         "cpu_ms_per_decision_by_rate": cpu_by_rate(bench.runs),
         "against_peer": streams_peer.against_peer(bench.runs),
+        "shapes": shapes_doc(bench.runs, bench.max_sustainable),
+        "scaling": scaling_doc(bench.max_sustainable),
+        "first_seconds": next((r["first_seconds"] for r in bench.runs if r.get("first_seconds")), None),
         "truncated": bench.truncated,
         "errors": bench.errors,
         "logs": str(workdir.relative_to(REPO)),  # relative: results are committed

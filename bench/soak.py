@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.procs import proc_cpu_s, proc_rss_mb
 from bench.run import (
     BATCHED,
     CEILING,
@@ -66,8 +67,6 @@ from bench.run import (
     _sampler,
     machine_info,
     prepare,
-    proc_cpu_s,
-    proc_rss_mb,
     services,
 )  # fmt: skip
 from tools.loadgen import LoadConfig, percentiles, run_load
@@ -416,7 +415,7 @@ def soak_sampler(
     minute, as the per-minute rows need the whole run's decisions; fires the
     promotion when its time comes (the load's clock runs from the first sample)."""
     brokers = sorted(name for name in pids if _is_broker(name))
-    base = _sampler(worker_pids[0], pids)
+    base = _sampler(worker_pids[:1], pids)
     started = time.monotonic()
     shown = 0
 

@@ -49,7 +49,8 @@ from typing import Any
 
 import orjson
 
-from bench.run import RESULTS_DIR, decision_key_env, machine_info, proc_cpu_s, services
+from bench.procs import proc_cpu_s
+from bench.run import RESULTS_DIR, decision_key_env, machine_info, services
 from tools.loadgen import percentiles
 
 __all__ = ["SCENARIOS", "echo_decision", "main", "scenario_record"]

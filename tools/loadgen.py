@@ -41,7 +41,7 @@ from app.librdkafka import client_config
 from app.settings import Settings, get_settings
 from pipeline.decision_signing import Unverified, headers_of, verifier_from_settings
 
-__all__ = ["LoadConfig", "percentiles", "run_load"]
+__all__ = ["LoadConfig", "partitions_at_end", "percentiles", "run_load"]
 
 #: The shortest sleep between two rounds of sends.
 TICK_S = 0.001
@@ -103,6 +103,39 @@ class LoadConfig:
     with the time it will be sent): during the run the generator only sends
     and reads decisions, so its CPU is not the benchmark's. Holds the whole
     run in memory (~1 KB per transaction): for runs of minutes, not hours."""
+
+
+#: How long a topic's partitions may lack a leader (just created, on a busy
+#: machine) before reading their ends gives up.
+LEADER_WAIT_S = 15.0
+
+
+def partitions_at_end(consumer: Any, topic: str, wait_s: float = LEADER_WAIT_S) -> list[Any]:
+    """Every partition of ``topic`` at its current end offset.
+
+    NOTE: a topic a worker has just created may not have its leaders elected
+    yet: the broker answers NOT_LEADER_FOR_PARTITION (seen on a loaded 2-core
+    machine right after a worker's Ready). Retried until ``wait_s``.
+    """
+    kafka = _kafka()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            meta = consumer.list_topics(topic, 10.0).topics[topic]
+            out = []
+            for p in sorted(meta.partitions):
+                _, high = consumer.get_watermark_offsets(kafka.TopicPartition(topic, p), 10.0)
+                out.append(kafka.TopicPartition(topic, p, high))
+            return out
+        except kafka.KafkaException as exc:
+            error = exc.args[0]
+            no_leader = error.code() in (
+                kafka.KafkaError.NOT_LEADER_FOR_PARTITION, kafka.KafkaError.LEADER_NOT_AVAILABLE,
+                kafka.KafkaError.UNKNOWN_TOPIC_OR_PART,
+            )  # fmt: skip
+            if not (no_leader or error.retriable()) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def percentiles(latencies_ms: list[float] | np.ndarray) -> dict[str, float | None]:
@@ -227,15 +260,10 @@ class _LoadRun:
 
     async def follow_decisions(self) -> None:
         """Read every partition of ``decisions`` from its current end: only this run's decisions count."""
-        s, kafka = self.settings, _kafka()
+        s = self.settings
 
         def assign_at_end() -> None:
-            meta = self.consumer.list_topics(s.topic_decisions, 10.0).topics[s.topic_decisions]
-            tps = []
-            for p in sorted(meta.partitions):
-                _, high = self.consumer.get_watermark_offsets(kafka.TopicPartition(s.topic_decisions, p), 10.0)
-                tps.append(kafka.TopicPartition(s.topic_decisions, p, high))
-            self.consumer.assign(tps)
+            self.consumer.assign(partitions_at_end(self.consumer, s.topic_decisions))
 
         await self._call(assign_at_end)
 

@@ -1,0 +1,43 @@
+"""A process's CPU time and memory from ``/proc``: what every bench samples."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["parse_stat_cpu_s", "parse_status_rss_mb", "proc_cpu_s", "proc_rss_mb"]
+
+
+def parse_stat_cpu_s(stat: str, clk_tck: int) -> float:
+    """User + system CPU seconds from a ``/proc/<pid>/stat`` line.
+
+    The command name (field 2) may hold spaces and parentheses, so fields are
+    counted from the last ``)``: utime and stime are fields 14 and 15.
+    """
+    rest = stat[stat.rindex(")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / clk_tck
+
+
+def parse_status_rss_mb(status: str) -> float | None:
+    """Resident set size in MiB from ``/proc/<pid>/status`` (``VmRSS:  1234 kB``)."""
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    try:
+        return parse_stat_cpu_s(Path(f"/proc/{pid}/stat").read_text(), _CLK_TCK)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def proc_rss_mb(pid: int) -> float | None:
+    try:
+        return parse_status_rss_mb(Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
