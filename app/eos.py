@@ -11,18 +11,19 @@ partition's new owner reads the committed offsets with ``require_stable``
 (librdkafka does by default), so it starts exactly where the last committed
 transaction left the partition.
 
-A transaction spans batches, as Kafka Streams' commit interval does:
+A transaction may span batches, as Kafka Streams' commit interval does:
 :meth:`ExactlyOnce.take` returns what the consumer has (up to ``max_records``,
 waiting at most ``within_s``), :meth:`ExactlyOnce.send` produces a batch's
 records in the open transaction (begun by the first), and
 :meth:`ExactlyOnce.commit` commits every offset sent with it, all or nothing.
-What a transaction costs the broker (its requests, a marker in every
-partition it wrote) is paid once per commit interval, not once per batch;
-what it costs a decision is the wait until the commit makes it visible.
-A transaction that fails is aborted and the consumer goes back to the
-committed offsets, so the same records come back (to this worker, or to the
-partitions' next owner): never a decision without its offset, never an offset
-without its decision.
+When it commits is the caller's choice (agents/pace.py): what a transaction
+costs the broker (its requests, a marker in every partition it wrote) is
+paid once per commit; what it costs a decision is the wait until the commit
+makes it visible. A transaction that fails is aborted and the consumer goes
+back to where it began, so the same records come back (to this worker, or
+to the partitions' next owner): never a decision without its offset, never
+an offset without its decision. A batch taken while that transaction was
+committing is void: :meth:`send` refuses it and puts its partitions back.
 
 Every call into librdkafka that can block (consume, the transaction's round
 trips) runs on one thread of its own, in order, so the event loop keeps

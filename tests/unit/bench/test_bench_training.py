@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ def test_the_meter_records_each_stage_with_its_memory_peak(tmp_path: Path) -> No
     with meter("allocate"):
         block = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, touched
         block += 1
+        # Held long enough for the sampler (every 10 ms) to see it on a busy machine.
+        time.sleep(0.3)
         del block
     meter.close()
     assert [s["stage"] for s in meter.stages] == ["small", "allocate"]
