@@ -3,7 +3,7 @@
     python -m bench.shapes                          # 1,000 and 2,000 TPS, each cell once
     python -m bench.shapes --rates 1000 2000 --repeat 2
 
-The inside shape (``bench/run.py``'s own) and the outside shape
+The inside shape (``bench/runner.py``'s own) and the outside shape
 (:mod:`bench.outside`) differ in two halves, measured here as a 2 × 2 plus
 the arrivals:
 
