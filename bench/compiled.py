@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.run import REPO, RESULTS_DIR, machine_info
+from bench.plan import REPO, RESULTS_DIR
+from bench.procs import machine_info
 
 __all__ = ["main", "measure_member"]
 

@@ -40,7 +40,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from app.settings import Settings  # noqa: E402
-from bench.run import REPO, machine_info  # noqa: E402
+from bench.plan import REPO  # noqa: E402
+from bench.procs import machine_info  # noqa: E402
 from tools import cluster  # noqa: E402
 
 #: name -> settings over ``cluster.CLUSTER_CONFIG``.

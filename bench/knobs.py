@@ -19,7 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.run import BATCHED, POPULATION, QUICK_PLAN, REPO, Bench, Phase, Worker, prepare, services
+from bench.plan import BATCHED, POPULATION, QUICK_PLAN, REPO, Phase
+from bench.runner import Bench
+from bench.workers import Worker, prepare, services
 
 #: name -> environment overrides (FRAUD_* settings)
 KNOBS: dict[str, dict[str, str]] = {
@@ -128,7 +130,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.append and args.out.exists():
         rows = json.loads(args.out.read_text())["rows"] + rows
-    from bench.run import machine_info
+    from bench.procs import machine_info
 
     doc = {"machine": machine_info(), "setup": "broker, Redis, worker(s) and load generator co-located", "rows": rows}
     args.out.write_text(json.dumps(doc, indent=2))

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.run import BATCHED, DATA, SAMPLE_EVERY_S, Phase, Worker, _sampler, machine_info, prepare, services
+from bench.plan import BATCHED, DATA, Phase
+from bench.procs import machine_info
+from bench.workers import SAMPLE_EVERY_S, Worker, _sampler, prepare, services
 from tools.loadgen import LoadConfig, run_load
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from bench.run import machine_info
+from bench.procs import machine_info
 from models.evaluation import evaluate_scores
 from pipeline.feature_defs import PROFILE_WINDOWS_DAYS
 from pipeline.features import DAY_S, MERCHANT_LABEL_DELAY_DAYS, prepare_history

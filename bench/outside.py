@@ -1,6 +1,6 @@
 """The outside load shape: the pipeline measured as an independent client would measure it.
 
-``bench/run.py``'s own shape drives load from inside the harness: one process
+``bench/runner.py``'s own shape drives load from inside the harness: one process
 sends on a Poisson schedule, reads the decisions back and holds the latency
 clock, against a worker on topics the harness made with the bench's settings.
 This shape has nothing of the harness in the data path:

@@ -1,11 +1,13 @@
-"""A process's CPU time and memory from ``/proc``: what every bench samples."""
+"""A process's CPU time and memory, and the machine's description, from ``/proc``: what every bench samples."""
 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
+from typing import Any
 
-__all__ = ["parse_stat_cpu_s", "parse_status_rss_mb", "proc_cpu_s", "proc_rss_mb"]
+__all__ = ["machine_info", "parse_stat_cpu_s", "parse_status_rss_mb", "proc_cpu_s", "proc_rss_mb"]
 
 
 def parse_stat_cpu_s(stat: str, clk_tck: int) -> float:
@@ -41,3 +43,21 @@ def proc_rss_mb(pid: int) -> float | None:
         return parse_status_rss_mb(Path(f"/proc/{pid}/status").read_text())
     except OSError:
         return None
+
+
+def machine_info() -> dict[str, Any]:
+    model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": model or platform.processor() or None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }

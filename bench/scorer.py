@@ -180,7 +180,7 @@ def main() -> None:
         handle.stop()
     if args.out:
         from bench.plots import scorer_redis_plot
-        from bench.run import machine_info
+        from bench.procs import machine_info
 
         doc = {"machine": machine_info(), "rows": rows}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -33,19 +33,11 @@ from typing import Any
 import numpy as np
 
 from bench.criteria import THRESHOLDS_MS
-from bench.run import (
-    BATCHED,
-    FULL_PLAN,
-    REPO,
-    RESULTS_DIR,
-    Bench,
-    Plan,
-    cpu_per_decision_by_variant,
-    machine_info,
-    prepare,
-    services,
-    threshold_key,
-)
+from bench.plan import BATCHED, FULL_PLAN, REPO, RESULTS_DIR, Plan
+from bench.procs import machine_info
+from bench.runner import Bench
+from bench.verdicts import cpu_per_decision_by_variant, threshold_key
+from bench.workers import prepare, services
 
 __all__ = ["PLAN", "QUICK_PLAN", "main", "signature_cost"]
 

@@ -3,11 +3,11 @@
     python -m bench.shapes                          # 1,000 and 2,000 TPS, each cell once
     python -m bench.shapes --rates 1000 2000 --repeat 2
 
-The inside shape (``bench/run.py``'s own) and the outside shape
+The inside shape (``bench/runner.py``'s own) and the outside shape
 (:mod:`bench.outside`) differ in two halves, measured here as a 2 × 2 plus
 the arrivals:
 
-* the **worker**: ``bench`` (a :class:`bench.run.Worker`: the bench's own
+* the **worker**: ``bench`` (a :class:`bench.workers.Worker`: the bench's own
   topics and environment, a probe answered before load) or ``default``
   (``fraud-pipeline topics`` and ``fraud-pipeline worker --role score`` with
   default settings, Ready only);
@@ -79,8 +79,22 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench import run as bench_run
     from bench.outside import OutsideError, OutsideSession
+    from bench.plan import BATCHED, OUTSIDE, POPULATION, QUICK_PLAN, REPO, RESULTS_DIR, Phase
+    from bench.procs import machine_info
+    from bench.report import _row
+    from bench.runner import VERIFY_SHARE, Bench
+    from bench.verdicts import run_record
+    from bench.workers import (
+        SAMPLE_EVERY_S,
+        OutsideWorkers,
+        WorkerError,
+        _cli,
+        _sampler,
+        prepare,
+        services,
+        settings_from_env,
+    )
     from tools.loadgen import LoadConfig, run_load
 
     parser = argparse.ArgumentParser(prog="python -m bench.shapes", description=__doc__.splitlines()[0])
@@ -93,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cells", type=int, nargs="+", help="which of CELLS to run (0-based; default all): "
         + "; ".join(f"{i} {cell_name(c)}" for i, c in enumerate(CELLS)),
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=bench_run.RESULTS_DIR / "shapes-ab.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "shapes-ab.json")
     args = parser.parse_args(argv)
 
     # SIGTERM unwinds like Ctrl-C: the finally blocks stop every worker, the broker and Redis.
@@ -101,16 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    phase = bench_run.Phase(args.warmup, args.measure, args.drain)
+    phase = Phase(args.warmup, args.measure, args.drain)
     started_at = datetime.now(UTC)
     started = time.monotonic()
-    workdir = bench_run.REPO / ".stack" / "bench" / ("shapes-" + started_at.strftime("%Y%m%dT%H%M%S"))
-    machine = bench_run.machine_info()
+    workdir = REPO / ".stack" / "bench" / ("shapes-" + started_at.strftime("%Y%m%dT%H%M%S"))
+    machine = machine_info()
     runs: list[dict[str, Any]] = []
     errors: list[str] = []
-    with bench_run.services(workdir) as svc:
-        prepared = bench_run.prepare(svc)
-        bench = bench_run.Bench(bench_run.QUICK_PLAN, svc, workdir, started)
+    with services(workdir) as svc:
+        prepared = prepare(svc)
+        bench = Bench(QUICK_PLAN, svc, workdir, started)
         bench.deadline = float("inf")
         seed = 500
         for rep in range(args.repeat):
@@ -119,14 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for cell in order:
                 worker_kind, load, arrivals = cell
                 variant = replace(
-                    bench_run.OUTSIDE if worker_kind == "default" else bench_run.BATCHED, arrivals=arrivals
+                    OUTSIDE if worker_kind == "default" else BATCHED, arrivals=arrivals
                 )
                 handle: Any = None
                 try:
                     handle = bench._start(variant)
-                    if isinstance(handle, bench_run.OutsideWorkers):
+                    if isinstance(handle, OutsideWorkers):
                         env, pids = handle.session.env, []
-                        settings = bench_run.settings_from_env(env)
+                        settings = settings_from_env(env)
                     else:
                         env = {
                             **svc.env(),
@@ -136,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for rate in args.rates:
                         seed += 1
                         if load == "outside":
-                            session = OutsideSession(env, svc.pids, workdir, bench_run.POPULATION, bench_run._cli(), 0)
+                            session = OutsideSession(env, svc.pids, workdir, POPULATION, _cli(), 0)
                             session.extra_pids = pids or handle.session.worker_pids
                             summary, _, _ = session.run(
                                 rate, arrivals=arrivals, warmup_s=phase.warmup_s, measure_s=phase.measure_s,
@@ -147,13 +161,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                             worker_pids = pids or handle.session.worker_pids
                             cfg = LoadConfig(
                                 rate=rate, duration_s=phase.load_s, warmup_s=phase.warmup_s, drain_s=phase.drain_s,
-                                data=bench_run.POPULATION, seed=seed, report_every_s=bench_run.SAMPLE_EVERY_S,
-                                quiet=True, verify_share=bench_run.VERIFY_SHARE, settings=settings,
-                                sample=bench_run._sampler(worker_pids, svc.pids), prebuild=True,
+                                data=POPULATION, seed=seed, report_every_s=SAMPLE_EVERY_S,
+                                quiet=True, verify_share=VERIFY_SHARE, settings=settings,
+                                sample=_sampler(worker_pids, svc.pids), prebuild=True,
                             )  # fmt: skip
                             summary = asyncio.run(run_load(cfg))
                             others = tuple(svc.pids)
-                        record = bench_run.run_record(
+                        record = run_record(
                             variant, "ab", rate, summary, worker=handle.tag, other_pids=others
                         )
                         # The machine is shared: its load beside each run says how far to trust it.
@@ -161,8 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
                         record.pop("lag")
                         runs.append(record)
-                        print(f"shapes: {cell_name(cell):<42} " + bench_run._row(record), flush=True)
-                except (bench_run.WorkerError, OutsideError) as exc:
+                        print(f"shapes: {cell_name(cell):<42} " + _row(record), flush=True)
+                except (WorkerError, OutsideError) as exc:
                     errors.append(f"{cell_name(cell)}: {exc}")
                     print(f"shapes: {cell_name(cell)}: {exc}", file=sys.stderr, flush=True)
                 finally:

@@ -53,19 +53,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.procs import proc_cpu_s, proc_rss_mb
-from bench.run import (
-    BATCHED,
-    CEILING,
-    DATA,
+from bench.plan import BATCHED, CEILING, DATA, REPO
+from bench.procs import machine_info, proc_cpu_s, proc_rss_mb
+from bench.workers import (
     READY_TIMEOUT_S,
-    REPO,
     SAMPLE_EVERY_S,
     Services,
     Worker,
     _cli,
     _sampler,
-    machine_info,
     prepare,
     services,
 )  # fmt: skip
@@ -85,7 +81,7 @@ CLUSTER_LABEL_SHARE = 0.05
 LABELS_SETTLE_S = 15.0
 #: A worker's start on the cluster: faust declares its changelog and repartition
 #: topics (3 replicas each) and its group rebalances as they appear, on cores the
-#: six JVMs share; one start there took over bench.run's 90 s.
+#: six JVMs share; one start there took over bench.workers' 90 s.
 CLUSTER_READY_S = 240.0
 COLUMNS = ("minute", "decided_per_s", "p50_ms", "p99_ms", "broker_cpu_ms_per_message",
            "worker_cpu_ms_per_decision", "broker_rss_mb", "worker_rss_mb", "in_flight")  # fmt: skip
@@ -409,7 +405,7 @@ def soak_sampler(
     minutes: int,
     promoter: Promoter | None = None,
 ) -> Callable[[], dict[str, Any]]:
-    """``bench.run``'s sampler, summed over the scoring workers (``cpu_s``,
+    """``bench.workers``' sampler, summed over the scoring workers (``cpu_s``,
     ``rss_mb``) and over the brokers (``broker_cpu_s``, ``broker_rss_mb``), plus
     the feedback worker's and each broker's RSS. Prints one progress line a
     minute, as the per-minute rows need the whole run's decisions; fires the

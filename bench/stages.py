@@ -90,7 +90,7 @@ def main() -> None:
     for frame, pct in result["top_self"][:15]:
         print(f"{pct:5.1f}%  {frame}", flush=True)
     if args.out:
-        from bench.run import machine_info
+        from bench.procs import machine_info
 
         doc: dict[str, Any] = {"label": args.label, "offered_tps": args.rate, "machine": machine_info(), **result}
         if args.load and args.load.exists():

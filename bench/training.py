@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.run import machine_info
+from bench.procs import machine_info
 
 __all__ = ["StageMeter", "main", "plot"]
 

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.run import services
+from bench.workers import services
 
 VARIANTS = ("offsets", "deliver_first", "no_offsets")
 
@@ -110,7 +110,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         consumer.close()
-    from bench.run import machine_info
+    from bench.procs import machine_info
 
     doc = {"machine": machine_info(), "setup": "one local KRaft broker, the client alone", "rows": rows}
     args.out.write_text(json.dumps(doc, indent=2))

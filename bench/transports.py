@@ -49,8 +49,9 @@ from typing import Any
 
 import orjson
 
-from bench.procs import proc_cpu_s
-from bench.run import RESULTS_DIR, decision_key_env, machine_info, services
+from bench.plan import RESULTS_DIR
+from bench.procs import machine_info, proc_cpu_s
+from bench.workers import decision_key_env, services
 from tools.loadgen import percentiles
 
 __all__ = ["SCENARIOS", "echo_decision", "main", "scenario_record"]

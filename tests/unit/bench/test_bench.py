@@ -8,19 +8,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.run import (
-    BATCHED,
-    CEILING,
-    THRESHOLDS_MS,
-    UNBATCHED,
+from bench.criteria import THRESHOLDS_MS
+from bench.plan import BATCHED, CEILING, UNBATCHED
+from bench.procs import parse_stat_cpu_s, parse_status_rss_mb
+from bench.report import format_report
+from bench.verdicts import (
     bracket,
     cpu_pct_between,
     cpu_per_decision_by_variant,
-    format_report,
     needs_repeat,
     next_probe,
-    parse_stat_cpu_s,
-    parse_status_rss_mb,
     passes,
     ratios,
     run_record,
@@ -308,7 +305,7 @@ def test_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_throughput_ratios_use_each_variants_best_achieved_rate() -> None:
-    from bench.run import throughput_ratios
+    from bench.verdicts import throughput_ratios
 
     runs = [
         {"variant": "ceiling", "achieved_tps": 900.0}, {"variant": "ceiling", "achieved_tps": 1100.0},
@@ -393,7 +390,7 @@ def test_cpu_per_decision_is_taken_at_the_lowest_passing_rate() -> None:
 def test_on_the_secure_stack_each_bench_process_gets_its_roles_credentials(tmp_path: Path) -> None:
     """bench.security's "on" mode: the worker as scoring/worker, the load generator as
     payments, materialize as materialize; the plaintext stack gets no credentials."""
-    from bench.run import Services
+    from bench.workers import Services
 
     secure = Services("127.0.0.1:1", "redis://127.0.0.1:2/0", secure_dir=tmp_path)
     worker = secure.env()
@@ -411,7 +408,7 @@ def test_on_the_secure_stack_each_bench_process_gets_its_roles_credentials(tmp_p
 
 
 def test_cpu_by_rate_has_every_rate_once_and_marks_the_knee() -> None:
-    from bench.run import cpu_by_rate
+    from bench.verdicts import cpu_by_rate
 
     runs = [record(BATCHED, 500.0, p99=80.0), record(BATCHED, 1000.0, p99=150.0), record(BATCHED, 2000.0, p99=900.0)]
     repeat = record(BATCHED, 1000.0, p99=120.0)

@@ -9,21 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.criteria import THRESHOLDS_MS
 from bench.outside import agreement, arrival_times, first_seconds, in_flight_at, summarise
-from bench.run import (
-    BATCHED,
-    BATCHED_X2,
-    FULL_PLAN,
-    OUTSIDE,
-    QUICK_PLAN,
-    THRESHOLDS_MS,
-    format_report,
-    run_record,
-    scaling_doc,
-    shapes_doc,
-    sustainable,
-    threshold_key,
-)
+from bench.plan import BATCHED, BATCHED_X2, FULL_PLAN, OUTSIDE, QUICK_PLAN
+from bench.report import format_report
+from bench.verdicts import run_record, scaling_doc, shapes_doc, sustainable, threshold_key
 
 # --- schedules -------------------------------------------------------------------------
 

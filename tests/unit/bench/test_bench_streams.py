@@ -12,7 +12,7 @@ import pytest
 from app.errors import ConfigError
 from app.settings import Settings
 from bench import streams_peer
-from bench.run import FULL_PLAN, MAIN_VARIANTS, QUICK_PLAN, STREAMS, STREAMS_25MS, Variant
+from bench.plan import FULL_PLAN, MAIN_VARIANTS, QUICK_PLAN, STREAMS, STREAMS_25MS, Variant
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -128,7 +128,8 @@ def test_a_repeated_rate_is_compared_by_its_last_run_and_no_common_rate_decides_
 
 
 def test_the_report_prints_the_pipeline_against_the_peer() -> None:
-    from bench.run import BATCHED, format_report
+    from bench.plan import BATCHED
+    from bench.report import format_report
     from tests.unit.bench.test_bench import record, results_doc
 
     runs = [record(BATCHED, 1000.0, p99=40.0), record(STREAMS, 1000.0, p99=120.0), record(STREAMS_25MS, 1000.0, p99=60.0)]
