@@ -26,6 +26,9 @@ __all__ = ["main", "run"]
 
 log = logging.getLogger("bench.bare")
 
+#: How long an idle pass-through waits for a record (a record ends the wait at once).
+IDLE_WAIT_S = 0.25
+
 
 def run(settings: Settings) -> None:
     """Forward until SIGTERM or SIGINT."""
@@ -55,6 +58,13 @@ def run(settings: Settings) -> None:
     topic = settings.topic_decisions
     while not stopping:
         batch = consumer.consume(settings.batch_size, settings.batch_window_s)
+        if not batch:
+            # As the scoring loop takes (app/eos.py): nothing queued, so wait
+            # for the first record and take what queued behind it, instead of
+            # polling again at once (a window of 0 would spin a core).
+            batch = consumer.consume(1, IDLE_WAIT_S)
+            if batch and settings.batch_size > 1:
+                batch += consumer.consume(settings.batch_size - 1, 0)
         good = [m for m in batch if m.error() is None]
         for msg in good:
             while True:
