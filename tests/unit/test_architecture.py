@@ -93,3 +93,13 @@ def test_every_package_of_the_project_sits_in_a_layer() -> None:
     on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert on_disk - {"tests"} <= layered, "a package outside the layers contract"
     assert set(PACKAGES) == layered
+
+
+def test_every_test_module_has_a_name_of_its_own() -> None:
+    """pytest imports test files by their base name (no packages under tests/):
+    two files of one name in different folders stop the whole run at collection."""
+    from collections import Counter
+
+    root = Path(__file__).resolve().parents[2]
+    names = Counter(path.name for path in (root / "tests").rglob("test_*.py"))
+    assert [name for name, n in names.items() if n > 1] == []
