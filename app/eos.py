@@ -95,7 +95,7 @@ class TakenBatch:
     next_offsets: dict[int, int] = field(default_factory=dict)
     """Per partition, the offset after its last record here: what a commit stores."""
     generation: int = 0
-    """The assignment this batch was taken under (bumped by every rebalance)."""
+    """:attr:`ExactlyOnce.generation` when this batch was taken (bumped by every rebalance and rewind)."""
 
     @classmethod
     def of(cls, messages: Sequence[Any], generation: int) -> TakenBatch:
@@ -210,8 +210,8 @@ class ExactlyOnce:
         #: Bumped by every rebalance and every rewind: a batch taken under an
         #: older one is void (:meth:`send`).
         self.generation = 0
-        #: Where the last rewind since the last take put each partition back.
-        self._rewound: dict[int, int] = {}
+        #: The partitions the last rewind since the last take put back.
+        self._rewound: set[int] = set()
         #: Called (on the client thread) with the partitions revoked.
         self.on_revoked: Callable[[set[int]], None] = lambda _: None
         #: Called with how long each commit took (client thread).
@@ -314,7 +314,7 @@ class ExactlyOnce:
 
     def _take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> list[Any]:
         generation = self.generation
-        self._rewound = {}
+        self._rewound = set()
         polled = self._consumer.consume(max_records, within_s)
         if not polled and idle_s > 0:
             # NOTE: consume(n, t) returns when it has n records or t has passed,
@@ -517,7 +517,7 @@ class ExactlyOnce:
             # No committed offset (negative): the transaction's first offset is where it starts.
             rewound = {p: o if o >= 0 else txn.first[p] for p, o in committed.items()}
             self._seek(rewound)
-            self._rewound.update(rewound)
+            self._rewound |= rewound.keys()
         # Whatever was taken after this transaction is void: its records come again after these.
         self.generation += 1
         fenced = err is not None and err.code() in _fencing_codes()

@@ -19,15 +19,13 @@ import signal
 import sys
 from typing import Any
 
+from agents.pace import IDLE_WAIT_S
 from app.librdkafka import client_config
 from app.settings import Settings
 
 __all__ = ["main", "run"]
 
 log = logging.getLogger("bench.bare")
-
-#: How long an idle pass-through waits for a record (a record ends the wait at once).
-IDLE_WAIT_S = 0.25
 
 
 def run(settings: Settings) -> None:

@@ -13,6 +13,7 @@ group's offsets sees.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -578,17 +579,31 @@ def test_the_next_batch_is_scored_while_the_last_transaction_commits_and_is_sent
 ) -> None:
     kafka = new_kafka()
     worker = Worker(kafka, tmp_path, models, caught_up=True)
-    scored: list[tuple[str, int]] = []
+    second_scored = threading.Event()
+    scores = 0
     score_batch = worker.scorer.score_batch
 
     async def noting_score_batch(inbound: Any) -> Any:
-        scored.append(("score", len(kafka.events("commit"))))
+        nonlocal scores
+        scores += 1
+        if scores == 2:
+            second_scored.set()
         return await score_batch(inbound)
 
     worker.scorer.score_batch = noting_score_batch  # type: ignore[method-assign]
+    overlapped: list[bool] = []
 
     async def go() -> None:
         await worker.start()
+        producer = worker.stream._producer
+        commit = producer.commit_transaction
+
+        def commit_once_the_next_batch_is_scored(timeout: float | None = None) -> None:
+            # Serial commits would wait out the 5 s here, the second batch not yet taken to scoring.
+            overlapped.append(second_scored.wait(5.0))
+            commit(timeout)
+
+        producer.commit_transaction = commit_once_the_next_batch_is_scored
         write_new(kafka, 0, 2)
         await worker.step()
         write_new(kafka, 0, 3)  # arrived while the first batch was scored
@@ -598,8 +613,8 @@ def test_the_next_batch_is_scored_while_the_last_transaction_commits_and_is_sent
         await worker.stop()
 
     asyncio.run(go())
-    commits = kafka.events("commit")
-    assert len(commits) == 2
+    assert overlapped[0]
+    assert len(kafka.events("commit")) == 2
     assert fresh(kafka) == [f"t-loop-0-{i}" for i in range(5)]
     assert kafka.committed(GROUP, TOPIC) == {0: 5}
 
