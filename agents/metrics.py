@@ -140,6 +140,12 @@ class WorkerMetrics:
             "scored, its records built and signed), send (produced into the open transaction), commit",
             ["phase"], buckets=REDIS_BUCKETS, registry=r,
         )  # fmt: skip
+        self.index_restore_seconds = Histogram(
+            "fraud_index_restore_seconds",
+            "Restoring the resend index of newly assigned partitions from its changelog (app/changelog.py): "
+            "their records wait for it",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
+        )  # fmt: skip
         self.gc_pause_seconds = Histogram(
             "fraud_gc_pause_seconds", "Garbage collections of the worker process (the loop stops meanwhile)",
             ["generation"], buckets=REDIS_BUCKETS, registry=r,

@@ -5,7 +5,8 @@ group's consumer (what is queued, up to ``FRAUD_BATCH_SIZE`` records), score it
 (:class:`pipeline.scorer.Scorer`: admission, cache, enrichment, ensemble,
 rules) while the previous batch's transaction commits, let the shadow model
 see it, send its outcomes and offsets in the next Kafka transaction
-(:mod:`app.eos`), then store the committed decisions in the resend cache.
+(:mod:`app.eos`), then add the committed decisions to the partitions' resend
+index (their changelog records committed with them: pipeline/resend_index.py).
 When a transaction commits is :mod:`agents.pace`'s rule: as soon as the
 worker has caught up, at every rate below saturation. Feedback and monitoring
 records ride in the same transaction and are never awaited separately, so
@@ -61,12 +62,16 @@ class ScoringLoop:
         settings: Settings,
         *,
         cache: HoldingCache,
+        shared_cache: bool = True,
     ) -> None:
         """``cache`` is the scorer's own decision cache (``scorer.cache``, before
         any wrapping): the loop holds each sent batch's decisions in it until
-        its transaction settles."""
+        its transaction settles, then adds them to its resend index (and, with
+        ``shared_cache``, stores them in the shared cache too)."""
         self.stream, self.scorer, self.reloader, self.metrics = stream, scorer, reloader, metrics
         self.cache = cache
+        #: Whether decisions also go to a shared cache (Redis as a second level).
+        self.shared_cache = shared_cache
         self.topics, self.sign = topics, sign
         self.batch_size = settings.batch_size
         self.pace = Pace(settings.batch_window_s, settings.commit_interval_s, settings.commit_caught_up)
@@ -130,7 +135,7 @@ class ScoringLoop:
         """The batch's outcomes and offsets in the open transaction (one is begun if none is)."""
         records = output.records(self.topics, self.sign)
         sending = time.perf_counter()
-        seq = await self.stream.send(batch, records)
+        seq = await self.stream.send(batch, records, output.placed(self.topics))
         self._phase["send"].observe(time.perf_counter() - sending)
         if seq is None:
             return  # taken before a rebalance or an abort: it comes again
@@ -142,9 +147,11 @@ class ScoringLoop:
         for seq, outcome in outcomes:
             batches = self.pending.pop(seq, [])
             if outcome == "committed":
-                # One write to the shared cache per transaction, not per batch:
-                # a round trip is worth more than the bytes it carries.
-                self._cache_later([item for _, output, _ in batches for item in output.to_cache])
+                self.cache.committed([item for _, output, _ in batches for item in output.index_entries])
+                # One write to the shared cache (if any) per transaction, not per
+                # batch: a round trip is worth more than the bytes it carries.
+                if self.shared_cache:
+                    self._cache_later([item for _, output, _ in batches for item in output.to_cache])
                 for inbound, output, started in batches:
                     self.metrics.observe_batch(inbound, output, started)
             else:
@@ -188,4 +195,5 @@ def _inbound(msg: Any) -> Inbound:
         timestamp=ts_ms / 1000.0 if kind else None,
         partition=msg.partition(),
         offset=msg.offset(),
+        key=msg.key(),
     )

@@ -34,10 +34,12 @@ from agents.score import ScoringLoop
 from agents.tally import install_merchant_tally
 from agents.watchdog import LoopWatchdog
 from app import redis_client
+from app.changelog import ChangelogRestore
 from app.eos import ExactlyOnce
 from app.errors import ConfigError
 from app.faust_app import base_app
 from app.librdkafka import client_config
+from app.placement import Placement
 from app.settings import Settings
 from models.registry import load_ensemble
 from pipeline.admission import Admission
@@ -49,6 +51,7 @@ from pipeline.labels import MerchantTally
 from pipeline.model import ScoringModel
 from pipeline.ratelimit import RedisRateLimiter
 from pipeline.redis_batch import RedisBatchLookup
+from pipeline.resend_index import ResendIndex, RocksStore
 from pipeline.rules import RuleSet, load_rules
 from pipeline.scorer import Scorer
 from pipeline.timing import RoundTrips
@@ -56,7 +59,7 @@ from pipeline.validate import Limits
 
 __all__ = [
     "Runtime", "compiled_dir", "create_app", "exactly_once", "freeze_startup_heap", "load_decision_signer",
-    "scoring_group",
+    "resend_index", "restore_group", "scoring_group", "worker_name",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -115,15 +118,14 @@ class Runtime:
         Redis clients need the running loop: call this inside the agent."""
         return redis_client.async_client(self.settings)
 
-    def decision_cache(self, client: Any) -> LocalFirstCache:
-        """This worker's decisions first, Redis on ``client`` for the rest: the
-        scorer reads it, the scoring loop holds sent decisions in it."""
+    def decision_cache(self, client: Any, index: ResendIndex) -> LocalFirstCache:
+        """This worker's held decisions, then its partitions' resend ``index``
+        (and Redis on ``client`` with ``decision_cache_redis``): the scorer
+        reads it, the scoring loop holds sent decisions in it and adds the
+        committed ones to the index."""
         s = self.settings
-        return LocalFirstCache(
-            RedisDecisionCache(client, s.decision_cache_ttl_s, cluster=self.cluster),
-            ttl_s=s.decision_cache_ttl_s,
-            wait_s=s.cache_wait_s,
-        )
+        shared = RedisDecisionCache(client, s.decision_cache_ttl_s, cluster=self.cluster) if s.decision_cache_redis else None
+        return LocalFirstCache(shared, index=index, ttl_s=s.decision_cache_ttl_s, wait_s=s.cache_wait_s)
 
     def build_scorer(
         self,
@@ -131,9 +133,11 @@ class Runtime:
         cache: LocalFirstCache,
         merchant_tally: Callable[[str], MerchantTally | None] = _no_tally,
         round_trips: RoundTrips | None = None,
+        placement: Placement | None = None,
     ) -> Scorer:
         """The scorer over ``client`` (:meth:`redis`) and ``cache`` (:meth:`decision_cache`);
-        ``round_trips`` is told each Redis round trip's time (the worker's metrics)."""
+        ``round_trips`` is told each Redis round trip's time (the worker's metrics);
+        ``placement``: the home partitions of ``transactions`` (app/placement.py)."""
         s = self.settings
         admission = self.admission(client)
         store = RedisFeatureStore(client, local_cache_ttl_s=s.profile_cache_ttl_s, cluster=self.cluster)
@@ -151,6 +155,7 @@ class Runtime:
             model_budget_s=s.model_budget_ms / 1000.0,
             merchant_tally=merchant_tally,
             round_trips=round_trips,
+            placement=placement,
         )
 
     def reloader(self) -> Reloader:
@@ -223,15 +228,28 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         "dead_letters": settings.topic_dlq,
         "feedback": settings.topic_feedback,
         "monitoring": settings.topic_monitoring,
+        "decision_index": settings.topic_decision_index,
+        "transactions": settings.topic_transactions,
     }
+    outputs = [topic for name, topic in topics.items() if name != "transactions"]
 
     async def score() -> None:
+        index = resend_index(settings)  # opened here, not at import: the store takes a lock on its folder
+        restore = ChangelogRestore(
+            settings.topic_decision_index, index, client_config(settings, f"{settings.app_id}-score"),
+            group_id=restore_group(settings),
+        )  # fmt: skip
+        restore.on_restored = lambda partitions, entries, took: metrics.index_restore_seconds.observe(took)
+        stream.restore = restore
         client = runtime.redis()
-        cache = runtime.decision_cache(client)
+        cache = runtime.decision_cache(client, index)
         scorer = runtime.build_scorer(client, cache, merchant_tally, metrics)
-        loop = ScoringLoop(stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings, cache=cache)
+        loop = ScoringLoop(
+            stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings,
+            cache=cache, shared_cache=settings.decision_cache_redis,
+        )  # fmt: skip
         watchdog = LoopWatchdog(settings.loop_stall_exit_s)
-        loop.on_step = watchdog.beat
+        loop.on_step = restore.on_progress = watchdog.beat
         try:
             # Everything warm before the group hands this worker partitions:
             # the model's thread, a Redis connection, the producer (its
@@ -244,15 +262,16 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             # coordinator unreachable past init_transactions' timeout) exits to
             # be restarted, instead of serving /metrics while deciding nothing.
             await stream.start()
+            scorer.placement = await placement(stream, settings)
             freeze_startup_heap()
-            first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, list(topics.values()))
+            watchdog.start(asyncio.get_running_loop())  # joining restores the partitions' resend index
+            first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, outputs)
             log.info(
                 "scoring %s as group %s (transactional id %s), partitions %s",
                 stream.topic, stream.group_id, stream.transactional_id, sorted(stream.assigned),
             )  # fmt: skip
             joined.set()
-            watchdog.start(asyncio.get_running_loop())  # a step that never ends: stacks, then exit
-            await loop.run(first)
+            await loop.run(first)  # the watchdog: a step that never ends gives stacks, then an exit
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -266,6 +285,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 await asyncio.wait_for(loop.drain(), SHUTDOWN_STEP_S)
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(stream.close(), SHUTDOWN_STEP_S)  # leaves the group: its partitions move
+            index.close()
 
     async def watch_registry() -> None:  # loads in the background; swaps happen in the loop
         await reloader.poll()
@@ -294,13 +314,43 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     return app
 
 
+async def placement(stream: ExactlyOnce, settings: Settings) -> Placement:
+    """The home partitions of ``transactions``; refuses a resend index's
+    changelog with fewer partitions (a partition's index is its changelog partition)."""
+    transactions = await stream.partition_count(settings.topic_transactions)
+    index = await stream.partition_count(settings.topic_decision_index)
+    if index < transactions:
+        raise ConfigError(
+            f"{settings.topic_decision_index} has {index} partitions, {settings.topic_transactions} {transactions}: "
+            f"add partitions to {settings.topic_decision_index} to match (kafka-topics --alter --partitions)"
+        )
+    return Placement(transactions)
+
+
+def worker_name(settings: Settings) -> str:
+    """``FRAUD_WORKER_ID``, else host name and web port: the same when the worker restarts on its slot."""
+    return settings.worker_id or f"{socket.gethostname()}-{settings.web_port}"
+
+
+def resend_index(settings: Settings) -> ResendIndex:
+    """This worker's resend index, on disk under ``data_dir``, one per worker
+    slot: a restarted worker finds what it restored before and reads only the
+    changelog written since (app/changelog.py)."""
+    path = settings.data_dir / "decision-index" / worker_name(settings)
+    return ResendIndex(RocksStore(path, settings.decision_cache_ttl_s), settings.decision_cache_ttl_s)
+
+
+def restore_group(settings: Settings) -> str:
+    """The group id the resend index's reader names (it joins no group; the client requires one)."""
+    return f"{scoring_group(settings)}-index-restore"
+
+
 def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
     """The scoring group's consumer and this worker's transactional producer (app/eos.py)."""
-    worker_id = settings.worker_id or f"{socket.gethostname()}-{settings.web_port}"
     stream = ExactlyOnce(
         topic=settings.topic_transactions,
         group_id=scoring_group(settings),
-        transactional_id=f"{settings.app_id}-score-{settings.topic_transactions}-{worker_id}",
+        transactional_id=f"{settings.app_id}-score-{settings.topic_transactions}-{worker_name(settings)}",
         client_config=client_config(settings, f"{settings.app_id}-score"),
         session_timeout_ms=int(settings.session_timeout_s * 1000),
         heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),

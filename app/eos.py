@@ -44,7 +44,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ExactlyOnce", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
+__all__ = ["ExactlyOnce", "Placed", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,10 @@ OFFSETS_HUNG_S = 2.0
 #: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
 JOIN_POLL_S = 0.1
 
-#: (topic, key, value, headers): one record to produce.
+#: (topic, key, value, headers): one record to produce, on its key's partition.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
+#: (topic, partition, key, value, headers): one record to produce on a given partition.
+Placed = tuple[str, int, bytes | None, bytes, list[tuple[str, bytes]]]
 
 
 @dataclass
@@ -214,6 +216,12 @@ class ExactlyOnce:
         self._rewound: set[int] = set()
         #: Called (on the client thread) with the partitions revoked.
         self.on_revoked: Callable[[set[int]], None] = lambda _: None
+        #: Called (on the client thread) with partitions whose state must be
+        #: complete before any of their records is taken: those assigned
+        #: (inside the assignment, before their first fetch), and those of a
+        #: transaction that may have committed although its commit failed.
+        #: It blocks until done (app/changelog.py); if it raises, so does the take.
+        self.restore: Callable[[set[int]], None] = lambda _: None
         #: Called with how long each commit took (client thread).
         self.on_commit_seconds: Callable[[float], None] = lambda _: None
         #: Called with "committed", "aborted" or "fenced" for each transaction.
@@ -284,6 +292,8 @@ class ExactlyOnce:
         # NOTE: committing it here, inside the rebalance, was refused
         # (ILLEGAL_GENERATION) and its batches decided again.
         numbers = {tp.partition for tp in partitions}
+        # Before returning: the client starts fetching these partitions after it.
+        self.restore(numbers)
         self.assigned |= numbers
         self.joined = True
         log.info("assigned partitions %s of %s (now %s)", sorted(numbers), self.topic, sorted(self.assigned))
@@ -341,15 +351,16 @@ class ExactlyOnce:
             return []
         return out
 
-    async def send(self, batch: TakenBatch, records: Sequence[Record]) -> int | None:
-        """Produce ``records`` in the open transaction (one is begun if none is),
-        with ``batch``'s offsets to be committed by it; returns the transaction's
-        number, or None when the batch was taken before a rebalance (its records
-        come again, here or elsewhere, and nothing was produced)."""
-        seq: int | None = await self._call(self._send, batch, records)
+    async def send(self, batch: TakenBatch, records: Sequence[Record], placed: Sequence[Placed] = ()) -> int | None:
+        """Produce ``records`` (and ``placed``, each on its partition) in the
+        open transaction (one is begun if none is), with ``batch``'s offsets to
+        be committed by it; returns the transaction's number, or None when the
+        batch was taken before a rebalance (its records come again, here or
+        elsewhere, and nothing was produced)."""
+        seq: int | None = await self._call(self._send, batch, records, placed)
         return seq
 
-    def _send(self, batch: TakenBatch, records: Sequence[Record]) -> int | None:
+    def _send(self, batch: TakenBatch, records: Sequence[Record], placed: Sequence[Placed] = ()) -> int | None:
         kafka = _kafka()
         if batch.generation != self.generation:
             self._void(batch)
@@ -367,6 +378,13 @@ class ExactlyOnce:
                         produce(topic, value, key, headers=headers or None)
                         break
                     except BufferError:  # the local queue is full: let deliveries drain it
+                        producer.poll(0.005)
+            for topic, partition, key, value, headers in placed:
+                while True:
+                    try:
+                        produce(topic, value, key, partition, headers=headers or None)
+                        break
+                    except BufferError:
                         producer.poll(0.005)
         except kafka.KafkaException as exc:
             # The transaction cannot go on: end it (aborted); this batch's
@@ -516,6 +534,10 @@ class ExactlyOnce:
                     log.warning("reading committed offsets failed (%s): going back to the first offsets sent", exc)
             # No committed offset (negative): the transaction's first offset is where it starts.
             rewound = {p: o if o >= 0 else txn.first[p] for p, o in committed.items()}
+            if may_have_committed:
+                # If it did commit, its state (the resend index's entries) is
+                # in the changelog but not yet in this worker's store.
+                self.restore(set(kept))
             self._seek(rewound)
             self._rewound |= rewound.keys()
         # Whatever was taken after this transaction is void: its records come again after these.
@@ -550,6 +572,16 @@ class ExactlyOnce:
                 log.warning("seeking partition %d to %d failed: %s", partition, offset, exc)
 
     # -- introspection -----------------------------------------------------------
+
+    async def partition_count(self, topic: str) -> int:
+        """How many partitions ``topic`` has (a metadata request); 0 if it does not exist."""
+
+        def count() -> int:
+            meta = self._consumer.list_topics(topic, TXN_CALL_TIMEOUT_S).topics.get(topic)
+            return 0 if meta is None or meta.error is not None else len(meta.partitions)
+
+        n: int = await self._call(count)
+        return n
 
     def offsets(self) -> list[tuple[str, int, int | None, int | None]]:
         """(topic, partition, fetch highwater, committed offset) per assigned

@@ -193,6 +193,9 @@ class Settings(BaseSettings):
     topic_monitoring: str = "monitoring"
     topic_feedback: str = "feedback"
     topic_labels: str = "labels"
+    topic_decision_index: str = "decision-index"
+    """The resend index's changelog (pipeline/resend_index.py): compacted,
+    one partition per partition of ``transactions``, written in the decisions' transactions."""
     partitions: int = 8
     """Partitions of ``transactions`` (and of ``decisions``): the unit of scaling."""
 
@@ -308,11 +311,17 @@ class Settings(BaseSettings):
     decision_cache_ttl_s: int = 3600
     """A resend (same transaction id or same content) within this gets the same decision."""
 
+    decision_cache_redis: bool = False
+    """Also keep decisions in Redis and ask it about what the resend index
+    has not seen (pipeline/cache.py). Off: the index alone answers (every
+    transaction a worker decides is at its home partition, whose index holds
+    every decision that partition committed). On for one TTL after upgrading
+    from a version that kept decisions only in Redis; Redis failing then
+    counts as a miss, never as *provisional*."""
+
     cache_wait_s: float = 0.15
-    """How long a batch retries the shared decision cache (Redis) before the
-    transactions it could not check are decided *provisionally*: never
-    ``approve`` (a resend of a declined payment must not be approved because
-    Redis was slow). The worker's own recent decisions answer first, from memory."""
+    """How long a batch retries Redis's decision cache (with
+    ``decision_cache_redis``) before it takes the resend index's answer."""
 
     profile_cache_ttl_s: float = 30.0
     """Local cache of profiles and merchant risk: they change once a day."""

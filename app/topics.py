@@ -18,7 +18,7 @@ from app.retry import retry
 from app.seams import cluster_metadata
 from app.settings import Settings
 
-__all__ = ["ensure_topics", "kafka_auth", "sasl_password", "topic_partitions"]
+__all__ = ["ensure_topics", "kafka_auth", "sasl_password", "topic_configs", "topic_partitions"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,24 @@ def topic_partitions(settings: Settings) -> dict[str, int]:
         settings.topic_monitoring: 1,
         settings.topic_feedback: max(1, settings.partitions // 2),
         settings.topic_labels: max(1, settings.partitions // 2),
+        # Partition for partition with transactions: a partition's owner restores its own.
+        settings.topic_decision_index: settings.partitions,
+    }
+
+
+def topic_configs(settings: Settings) -> dict[str, dict[str, str]]:
+    """Per topic, what it is created with beyond partitions and replicas."""
+    ttl_ms = settings.decision_cache_ttl_s * 1000
+    return {
+        # Compacted (one record per transaction) and deleted after the TTL: a
+        # partition's changelog holds about a TTL of its decisions, which is
+        # what a new owner reads. Segments roll every tenth of the TTL so the
+        # expired ones go while the rest stay.
+        settings.topic_decision_index: {
+            "cleanup.policy": "compact,delete",
+            "retention.ms": str(ttl_ms),
+            "segment.ms": str(max(60_000, ttl_ms // 10)),
+        },
     }
 
 
@@ -47,7 +65,11 @@ async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str
             # Two acknowledgements of three: a write survives the loss of its
             # leader, and one broker down still leaves writes possible.
             configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
-            missing = [NewTopic(name, n, replicas, topic_configs=configs) for name, n in wanted.items() if name not in existing]
+            own = topic_configs(settings)
+            missing = [
+                NewTopic(name, n, replicas, topic_configs={**configs, **own.get(name, {})})
+                for name, n in wanted.items() if name not in existing
+            ]  # fmt: skip
             if missing:
                 try:
                     await admin.create_topics(missing)

@@ -5,17 +5,22 @@ content hash (the same payment under a new id, e.g. a client retry that
 re-generated the id). A hit is answered from the cache, marked ``cached``, and
 never reaches the feature store, so nothing is counted twice.
 
-:class:`RedisDecisionCache` shares decisions across workers (a partition that
-moves to another worker after a rebalance keeps its cache); lookups for a
-whole batch are one ``MGET`` (one per slot on a Redis Cluster).
+:class:`LocalFirstCache` is what a worker uses: the decisions of its open
+transactions in memory (a resend in a later batch of the same transaction),
+then its partitions' resend index (pipeline/resend_index.py), which holds
+every decision those partitions committed within the TTL. Every transaction
+the worker decides is at its home partition (app/placement.py: one found
+elsewhere is re-routed first), so a miss in both is an answer: not decided
+before. Redis is asked only when configured as a second level
+(``FRAUD_DECISION_CACHE_REDIS``), and its failure is then a miss.
 
-:class:`LocalFirstCache` is what a worker uses: its own recent decisions in
-memory first (a resend carries the same user, so it lands on the same
-partition, usually on the same worker), Redis for the rest, retried for at
-most ``wait_s``. What neither could check comes back as :data:`UNCHECKED`,
-and the scorer then marks the decision *provisional*, which never approves
-(pipeline/scorer.py): a resend is never answered with a decision that could
-contradict the first one because Redis was slow.
+Without an index (:class:`RedisDecisionCache` as the only shared level, as
+the component benchmarks build it), what Redis could not answer within
+``wait_s`` comes back as :data:`UNCHECKED`, and the scorer then marks the
+decision *provisional*, which never approves (pipeline/scorer.py): a resend
+is never answered with a decision that could contradict the first one
+because Redis was slow. With an index, only an index that cannot be read
+(its disk failing) leaves a lookup unchecked.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import orjson
 from app.contract import Transaction
 from app.redis_keys import decision_keys
 from pipeline.feature_store import TTLCache
+from pipeline.resend_index import ResendIndex
 
 __all__ = [
     "UNCHECKED",
@@ -77,6 +83,11 @@ class HoldingCache(DecisionCache, Protocol):
 
     def release(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         """Forget held decisions whose transaction did not commit."""
+        ...
+
+    def committed(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
+        """Decisions whose transaction committed, as the resend index keeps
+        them (pipeline/resend_index.py): into the index, if there is one."""
         ...
 
 
@@ -167,25 +178,28 @@ class InMemoryDecisionCache:
 
 
 class LocalFirstCache:
-    """This worker's recent decisions in memory, then a shared cache (Redis).
+    """This worker's held decisions, its resend index, then (if any) a shared cache (Redis).
 
-    ``get_many`` never raises: a transaction the shared cache could not be
-    asked about within ``wait_s`` (retrying every ``retry_every_s``) is
+    ``get_many`` never raises: see the module's docstring for what is
     :data:`UNCHECKED`. ``put_many`` stores locally first, then in the shared
     cache (its failure is raised for the caller to log).
     """
 
     def __init__(
         self,
-        shared: DecisionCache,
+        shared: DecisionCache | None,
         *,
+        index: ResendIndex | None = None,
         capacity: int = 40_000,
         ttl_s: float = 3600,
         wait_s: float = 0.15,
         retry_every_s: float = 0.01,
         clock: Any = time.monotonic,
     ) -> None:
+        if shared is None and index is None:
+            raise ValueError("a decision cache needs a resend index, a shared cache, or both")
         self.shared = shared
+        self.index = index
         self.capacity = capacity
         self.ttl_s = ttl_s
         self.wait_s = wait_s
@@ -200,7 +214,12 @@ class LocalFirstCache:
         self.unchecked = 0
         """Lookups left unchecked so far (the worker's metrics read it)."""
 
-    def _get_local(self, tx: Transaction, now: float) -> dict[str, Any] | None:
+    @property
+    def authoritative(self) -> bool:
+        """Whether a miss here is an answer (an index), so a shared cache failing is a miss too."""
+        return self.index is not None
+
+    def _get_held(self, tx: Transaction, now: float) -> dict[str, Any] | None:
         for key in decision_keys(tx):
             item = self._items.get(key)
             if item is not None and item[0] > now:
@@ -209,37 +228,66 @@ class LocalFirstCache:
         return None
 
     def get_local_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
-        """This worker's own decisions only: the batch's one-call lookup
-        (pipeline/redis_batch.py) asks Redis about the rest itself."""
+        """This worker's own decisions only (held, then its index): the
+        batch's one-call lookup (pipeline/redis_batch.py) asks Redis about the
+        rest itself when there is a shared cache. :data:`UNCHECKED` where the
+        index could not be read."""
         now = self._clock()
-        return [self._get_local(tx, now) for tx in txs]
-
-    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
-        now = self._clock()
-        out: list[Any] = [self._get_local(tx, now) for tx in txs]
+        out: list[Any] = [self._get_held(tx, now) for tx in txs]
+        if self.index is None:
+            return out
         misses = [i for i, hit in enumerate(out) if hit is None]
         if not misses:
             return out
-        deadline = now + self.wait_s
+        try:
+            found = self.index.get_many([txs[i] for i in misses])
+        except Exception as exc:  # a disk error must not cost the batch: its decisions are provisional
+            log.error("the resend index could not be read (%r): %d lookups unchecked", exc, len(misses))
+            found = [UNCHECKED] * len(misses)
+        for i, hit in zip(misses, found):
+            out[i] = hit if hit is UNCHECKED or hit is None else orjson.loads(hit)
+        return out
+
+    async def get_many(self, txs: Sequence[Transaction]) -> list[dict[str, Any] | None]:
+        out: list[Any] = self.get_local_many(txs)
+        if self.shared is None:
+            misses = []
+        elif self.index is None:
+            misses = [i for i, hit in enumerate(out) if hit is None]
+        else:  # a second level: asked about the index's misses, and about what the index could not answer
+            misses = [i for i, hit in enumerate(out) if hit is None or hit is UNCHECKED]
+        if misses:
+            remote = await self._shared_many([txs[i] for i in misses])
+            for i, hit in zip(misses, remote):
+                if hit is UNCHECKED and self.authoritative and out[i] is None:
+                    hit = None  # the index said: never decided; Redis only could have said more
+                out[i] = hit
+        self.unchecked += sum(hit is UNCHECKED for hit in out)
+        return out
+
+    async def _shared_many(self, txs: list[Transaction]) -> list[Any]:
+        assert self.shared is not None
+        deadline = self._clock() + self.wait_s
         while True:
             try:
-                remote = await self.shared.get_many([txs[i] for i in misses])
-                break
+                return await self.shared.get_many(txs)
             except Exception as exc:
                 if self._clock() + self.retry_every_s >= deadline:
-                    log.warning("decision cache unavailable for %.0f ms (%r): %d lookups unchecked",
-                                self.wait_s * 1000, exc, len(misses))  # fmt: skip
-                    remote = [UNCHECKED] * len(misses)
-                    break
+                    log.warning("decision cache unavailable for %.0f ms (%r): %d lookups unanswered",
+                                self.wait_s * 1000, exc, len(txs))  # fmt: skip
+                    return [UNCHECKED] * len(txs)
                 await asyncio.sleep(self.retry_every_s)
-        for i, hit in zip(misses, remote):
-            out[i] = hit
-            self.unchecked += hit is UNCHECKED
-        return out
 
     async def put_many(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         self.hold(items)
-        await self.shared.put_many(items)
+        if self.shared is not None:
+            await self.shared.put_many(items)
+
+    def committed(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
+        """Decisions whose transaction committed (index bytes: resend_index.indexed_value):
+        into the index. Their changelog records committed with them."""
+        if self.index is not None:
+            self.index.add(items)
 
     def hold(self, items: Sequence[tuple[Transaction, bytes]]) -> None:
         """Store locally only: decisions sent in a transaction not yet committed,

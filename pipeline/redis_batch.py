@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
@@ -48,7 +48,7 @@ from app.redis_client import is_cluster_client
 from app.redis_keys import content_hash, decision_keys, merchant_key, profile_key, signature_key, velocity_key
 from pipeline.admission import Admission, verdicts_of
 from pipeline.auth import REPLAY_CHECK_FUNCTION, RedisReplayGuard, first_delivery, replay_ttl_s
-from pipeline.cache import LocalFirstCache, RedisDecisionCache
+from pipeline.cache import UNCHECKED, LocalFirstCache, RedisDecisionCache
 from pipeline.feature_store import BATCH_ENRICH_FUNCTION, VELOCITY_RETENTION_S, RedisFeatureStore, velocity_args
 from pipeline.lookup import BatchAnswer, Request
 from pipeline.ratelimit import COST, TOKEN_BUCKET_FUNCTION, RedisRateLimiter, rate_decision
@@ -58,8 +58,10 @@ from pipeline.validate import Rejection
 __all__ = ["BATCH_SCRIPT", "RedisBatchLookup"]
 
 #: ARGV header: m (transactions), b (buckets), s (signatures), p (profiles),
-#: q (merchants), now (the limiter's clock), cost, replay TTL, velocity retention.
-HEADER = 9
+#: q (merchants), now (the limiter's clock), cost, replay TTL, velocity
+#: retention, whether to look in the decision cache (1: Redis is a second
+#: level under the resend index; 0: the index alone answers, pipeline/cache.py).
+HEADER = 10
 #: After the header and the b buckets' (rate, burst), one ARGV holds every
 #: transaction's row, as a JSON array of arrays (cjson in the script); each
 #: row: 1-2 its in-batch identities (transaction id and content hash, as small
@@ -90,9 +92,13 @@ local function at(i, k) return rows[i][k] end
 
 -- 1. the decision cache: a hit is answered; a second copy follows its first (lookup.in_batch_copies)
 local status, leaders, first = {}, {}, {}
+local cached = ARGV[10] == '1'
 for i = 1, m do
-  local found = redis.call('MGET', KEYS[2 * i - 1], KEYS[2 * i])
-  local hit = found[1] or found[2]
+  local hit = false
+  if cached then
+    local found = redis.call('MGET', KEYS[2 * i - 1], KEYS[2 * i])
+    hit = found[1] or found[2]
+  end
   if hit then
     status[i] = hit
   else
@@ -214,6 +220,8 @@ class RedisBatchLookup:
         """``client``: the one Redis server that ``cache``, ``store`` and
         ``admission``'s guard and limiter use (see :meth:`build`)."""
         self._local = cache if isinstance(cache, LocalFirstCache) else None
+        #: Whether the script looks in Redis's decision cache (not when a resend index alone answers).
+        self._check_cache = self._local is None or self._local.shared is not None
         self._store = store
         self._replay = admission is not None and admission.replay is not None
         self._replay_ttl_s = replay_ttl_s(admission.window_s) if admission is not None else 0
@@ -229,7 +237,9 @@ class RedisBatchLookup:
         """The lookup when every part is Redis on ``client`` and it is one server;
         else None (a Redis Cluster, in-memory parts): the separate calls."""
         shared = cache.shared if isinstance(cache, LocalFirstCache) else cache
-        parts: list[tuple[object, type[_OnRedis]]] = [(shared, RedisDecisionCache), (store, RedisFeatureStore)]
+        parts: list[tuple[object, type[_OnRedis]]] = [(store, RedisFeatureStore)]
+        if shared is not None:
+            parts.append((shared, RedisDecisionCache))
         if admission is not None:
             if admission.replay is not None:
                 parts.append((admission.replay, RedisReplayGuard))
@@ -247,9 +257,14 @@ class RedisBatchLookup:
         features. Raises BatchLookupError when the call fails (nothing of it
         may be assumed done or not done). Laps nothing: the scorer charges
         the whole lookup to ``cache``, the first stage it serves."""
-        hits: list[dict[str, Any] | None] = (
+        hits: list[Any] = (
             self._local.get_local_many([r.tx for r in requests]) if self._local else [None] * len(requests)
         )
+        # What the index could not answer (its disk failing): asked of Redis if it is a
+        # second level, and provisional unless Redis answers.
+        unread = [i for i, hit in enumerate(hits) if hit is UNCHECKED]
+        for i in unread:
+            hits[i] = None
         remote = [i for i, hit in enumerate(hits) if hit is None]
         if not remote:
             return BatchAnswer(hits, [None] * len(requests), [None] * len(requests), [])
@@ -258,7 +273,9 @@ class RedisBatchLookup:
             reply = await self._script(keys=call.keys, args=call.args)
         except Exception as exc:
             raise BatchLookupError(len(remote), f"Redis call failed: {exc!r}") from exc
-        return self._read(hits, requests, remote, call, reply)
+        answer = self._read(hits, requests, remote, call, reply)
+        unchecked = frozenset(requests[i].tx.transaction_id for i in unread if answer.hits[i] is None)
+        return replace(answer, unchecked=unchecked) if unchecked else answer
 
     def _call(self, requests: Sequence[Request]) -> _Call:
         """KEYS and ARGV for ``requests`` (see BATCH_SCRIPT)."""
@@ -280,7 +297,7 @@ class RedisBatchLookup:
         keys += [signature_key(requests[i].auth.signature or "") for i in signed]
         args: list[Any] = [
             len(requests), len(buckets), len(signed), len(profiles), len(merchants),
-            repr(clock), repr(COST), self._replay_ttl_s, int(VELOCITY_RETENTION_S),
+            repr(clock), repr(COST), self._replay_ttl_s, int(VELOCITY_RETENTION_S), int(self._check_cache),
         ]  # fmt: skip
         for limit in limits:
             args += (repr(float(limit.rate)), repr(float(limit.burst)))

@@ -1,6 +1,7 @@
 """Score one micro-batch: the whole flow, top to bottom.
 
     raw messages ─ validate ─┬─ rejections ───────────────────────────────────► reject + DLQ
+                             ├─ away from its home partition ─────────────────► re-routed there
                              └─ look up ─┬─ cache hits ───────────────────────► cached decision
                                          ├─ refused by admission ─────────────► reject + DLQ
                                          └─ features ─ ensemble ─ rules ──────► decision
@@ -31,14 +32,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import orjson
 
 from app.contract import Decision, Transaction
-from app.eos import Record
+from app.eos import Placed, Record
+from app.placement import Placement
 from pipeline.admission import Admission
 from pipeline.auth import UNSIGNED
 from pipeline.cache import DecisionCache
@@ -49,6 +51,7 @@ from pipeline.features import FEATURE_NAMES, FEATURE_SET_VERSION, feature_matrix
 from pipeline.labels import MerchantTally
 from pipeline.lookup import NOTHING_FOUND, BatchAnswer, BatchLookup, OneCallFirst, Request, SeparateCalls
 from pipeline.model import Prediction, ScoringModel
+from pipeline.resend_index import ResendIndex, indexed_value
 from pipeline.rules import RuleSet, evaluate_rules
 from pipeline.timing import RoundTrips, StageClock
 from pipeline.validate import Limits, Rejection, validate
@@ -95,6 +98,7 @@ class Inbound:
     """The record's timestamp (producer send time), epoch seconds."""
     partition: int | None = None
     offset: int | None = None
+    key: bytes | None = None
 
     @property
     def correlation_id(self) -> str | None:
@@ -118,7 +122,14 @@ class BatchOutput:
     outcomes: Counter[tuple[str, bool]] = field(default_factory=Counter)
     """Decisions produced, by (action, cached)."""
     to_cache: list[tuple[Transaction, bytes]] = field(default_factory=list)
-    """Each new decision with its record's bytes as sent: what the resend cache keeps."""
+    """Each new decision with its record's bytes as sent: what the worker holds until its transaction settles."""
+    indexed: list[tuple[int, Transaction, bytes]] = field(default_factory=list)
+    """Each new decision as the resend index keeps it, with its partition
+    (pipeline/resend_index.py): a changelog record in the batch's transaction,
+    then an index entry once that committed."""
+    rerouted: list[tuple[int, Inbound]] = field(default_factory=list)
+    """Records found away from their home partition (app/placement.py), each
+    with its home: produced there in the batch's transaction, not decided here."""
     extra_monitoring: list[bytes] = field(default_factory=list)
     """Drift windows and shadow summaries, produced to ``monitoring`` as well."""
     shadow: _ShadowWork | None = None
@@ -145,6 +156,24 @@ class BatchOutput:
             out.append((monitoring, None, orjson.dumps(self.monitoring), []))
         out += [(monitoring, None, v, []) for v in self.extra_monitoring]
         return out
+
+    def placed(self, topics: dict[str, str]) -> list[Placed]:
+        """The records that go to a given partition: the decisions' resend
+        index entries (the partition's changelog) and the re-routed transactions."""
+        index = topics["decision_index"]
+        out: list[Placed] = []
+        for partition, tx, value in self.indexed:
+            key, entry = ResendIndex.changelog_record(tx, value)
+            out.append((index, partition, key, entry, []))
+        transactions = topics["transactions"]
+        for home, msg in self.rerouted:
+            out.append((transactions, home, msg.key, msg.value, list(msg.headers.items())))
+        return out
+
+    @property
+    def index_entries(self) -> list[tuple[Transaction, bytes]]:
+        """The new decisions as the resend index keeps them (for :meth:`HoldingCache.committed`)."""
+        return [(tx, value) for _, tx, value in self.indexed]
 
 
 class Signs(Protocol):
@@ -223,12 +252,15 @@ class Scorer:
         drift: DriftMonitor | None = None,
         lookup: BatchLookup | None = None,
         round_trips: RoundTrips | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """``lookup``: the decision cache, admission and enrichment in one Redis
         call (pipeline/redis_batch.py); None makes them the separate calls in
         turn, as does a failed one call. ``cache``, ``store``, ``admission``
         and ``lookup`` are fixed here; ``round_trips`` is told each Redis round
-        trip's time (the worker's metrics)."""
+        trip's time (the worker's metrics). ``placement``: the home partitions
+        of ``transactions`` (a record elsewhere is re-routed, not decided:
+        app/placement.py); None decides every record where it is."""
         self.model = model
         #: A candidate scored on the same rows after the batch is decided; never decides.
         self.shadow = shadow
@@ -242,6 +274,8 @@ class Scorer:
         self.merchant_tally = merchant_tally
         self._cache, self._store, self._admission, self._one_call = cache, store, admission, lookup
         self.round_trips = round_trips
+        #: Swapped by the worker when the partition count of ``transactions`` changes.
+        self.placement = placement
         separate = SeparateCalls(cache, store, admission, round_trips)
         self._lookup: BatchLookup = OneCallFirst(lookup, separate, round_trips) if lookup is not None else separate
         # NOTE: one thread: a prediction that overran its budget keeps the thread
@@ -347,6 +381,14 @@ class Scorer:
             checked = validate(msg.value, now, self.limits)
             if isinstance(checked, Rejection):
                 self._refuse(out, msg, checked, now, stats)
+                continue
+            home = self.placement.home(checked.user_id) if self.placement is not None else None
+            if home is not None and msg.partition is not None and home != msg.partition:
+                # Its resends may land at its home, whose resend index must see
+                # it: decided there, after this transaction commits. Not
+                # admitted here: the replay guard first sees it at its home.
+                out.rerouted.append((home, replace(msg, key=checked.user_id.encode())))
+                stats["rerouted"] += 1
                 continue
             valid.append((msg, checked))
             requests.append(Request(checked, auth, f"{msg.partition}:{msg.offset}"))
@@ -492,6 +534,8 @@ class Scorer:
             out.add("decisions", tx.transaction_id.encode(), blob)
             out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, blob))
+            if msg.partition is not None:
+                out.indexed.append((msg.partition, tx, orjson.dumps(indexed_value(record))))
             row = evidence.rows[i] if evidence.rows else None
             doc = self._feedback(tx, record, row, draft.rule, draft.tally)
             feedback_docs.append(doc)

@@ -84,14 +84,15 @@ def tally_repartition_topic(settings: Settings) -> str:
 
 def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
-    from agents.wiring import scoring_group  # NOTE: loads the worker (faust): only when the table is built
+    # NOTE: loads the worker (faust): only when the table is built
+    from agents.wiring import restore_group, scoring_group
 
     s = settings
     scoring = scoring_group(s)
     every_topic = Grant(
         "topic",
         (s.topic_transactions, s.topic_decisions, s.topic_dlq, s.topic_feedback,
-         s.topic_labels, s.topic_monitoring),
+         s.topic_labels, s.topic_monitoring, s.topic_decision_index),
         ("Describe",),
     )  # fmt: skip
     payment_client = (
@@ -111,9 +112,15 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         "payment-client": (every_topic, *payment_client),
         "scoring-worker": (
             every_topic,
-            # `labels` feeds the worker's merchant tally (agents/tally.py).
-            _read(s.topic_transactions, s.topic_labels),
-            _write(s.topic_decisions, s.topic_dlq, s.topic_feedback, s.topic_monitoring),
+            # `labels` feeds the worker's merchant tally (agents/tally.py); the
+            # resend index's changelog is written in the decisions' transactions
+            # and read back by a partition's new owner (app/changelog.py), whose
+            # reader, unsubscribed, still names a group (the client requires one).
+            _read(s.topic_transactions, s.topic_labels, s.topic_decision_index),
+            _write(s.topic_decisions, s.topic_dlq, s.topic_feedback, s.topic_monitoring, s.topic_decision_index),
+            # Re-routing a transaction to its home partition (app/placement.py).
+            _write(s.topic_transactions),
+            Grant("group", (restore_group(s),), ("Read", "Describe")),
             # app/eos.py: one transactional producer per worker,
             # ``<app_id>-score-<topic>-<worker_id>``, and the scoring consumer
             # group, whose offsets the transactions commit (KIP-447).

@@ -1138,7 +1138,8 @@ def test_fault_combined_every_role_on_its_own_principal(
 
     defaults = Settings()
     topics = Topics(defaults.topic_transactions, defaults.topic_decisions, defaults.topic_dlq,
-                    defaults.topic_feedback, defaults.topic_monitoring, defaults.topic_labels)  # fmt: skip
+                    defaults.topic_feedback, defaults.topic_monitoring, defaults.topic_labels,
+                    defaults.topic_decision_index)  # fmt: skip
     assert defaults.partitions == PARTITIONS
     broker_dir, redis_dir = tmp_path / "broker", tmp_path / "redis"
     broker = stack.start_broker(workdir=broker_dir, secure=True)

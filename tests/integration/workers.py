@@ -124,11 +124,12 @@ class Topics:
     feedback: str
     monitoring: str
     labels: str
+    decision_index: str
 
     @classmethod
     def unique(cls, tag: str = "ft") -> Topics:
         suffix = uuid.uuid4().hex[:10]
-        return cls(*(f"{tag}-{name}-{suffix}" for name in ("tx", "dec", "dlq", "fb", "mon", "lab")))
+        return cls(*(f"{tag}-{name}-{suffix}" for name in ("tx", "dec", "dlq", "fb", "mon", "lab", "idx")))
 
     def env(self) -> dict[str, str]:
         return {
@@ -138,6 +139,7 @@ class Topics:
             "FRAUD_TOPIC_FEEDBACK": self.feedback,
             "FRAUD_TOPIC_MONITORING": self.monitoring,
             "FRAUD_TOPIC_LABELS": self.labels,
+            "FRAUD_TOPIC_DECISION_INDEX": self.decision_index,
         }
 
     def settings(self, bootstrap: str, partitions: int) -> Settings:
@@ -150,6 +152,7 @@ class Topics:
             topic_feedback=self.feedback,
             topic_monitoring=self.monitoring,
             topic_labels=self.labels,
+            topic_decision_index=self.decision_index,
         )
 
     async def create(self, bootstrap: str, partitions: int) -> dict[str, int]:

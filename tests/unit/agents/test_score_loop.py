@@ -41,7 +41,10 @@ from tests.kafka_fakes import FakeConsumer, FakeKafka, error
 
 TOPIC = "transactions"
 GROUP = "fraud-unit-score"
-OUTPUTS = {"decisions": "decisions", "dead_letters": "dead-letters", "feedback": "feedback", "monitoring": "monitoring"}
+OUTPUTS = {
+    "decisions": "decisions", "dead_letters": "dead-letters", "feedback": "feedback", "monitoring": "monitoring",
+    "decision_index": "decision-index", "transactions": "transactions",
+}  # fmt: skip
 #: Long enough that a test commits when it says so (``Worker.commit``).
 NEVER = 3600.0
 
@@ -65,7 +68,7 @@ class SharedCache(InMemoryDecisionCache):
 
 
 def new_kafka() -> FakeKafka:
-    return FakeKafka({TOPIC: 2, **{topic: 1 for topic in OUTPUTS.values()}})
+    return FakeKafka({**{topic: 1 for topic in OUTPUTS.values()}, TOPIC: 2, OUTPUTS["decision_index"]: 2})
 
 
 def doc(partition: int, offset: int, prefix: str = "t-loop") -> dict[str, Any]:

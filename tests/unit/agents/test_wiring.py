@@ -11,6 +11,7 @@ from agents.wiring import Runtime, create_app
 from app.settings import Settings
 from pipeline.auth import ClientKeys
 from pipeline.decision_signing import DecisionSigner
+from pipeline.resend_index import MemoryStore, ResendIndex
 from pipeline.scorer import Scorer
 from tests.factories import RULES, ConstantModel
 
@@ -29,7 +30,7 @@ def built_scorer(rt: Runtime) -> Scorer:
     async def build() -> Scorer:
         client = rt.redis()  # a client needs the running loop
         try:
-            return rt.build_scorer(client, rt.decision_cache(client))
+            return rt.build_scorer(client, rt.decision_cache(client, ResendIndex(MemoryStore(), 3600)))
         finally:
             await client.aclose()
 

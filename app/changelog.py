@@ -1,0 +1,151 @@
+"""Restoring the resend index of newly owned partitions from its changelog.
+
+Called on the scoring consumer's thread, inside its assignment callback
+(app/eos.py), so no record of a partition is fetched, let alone decided,
+before the partition's index is complete: its changelog partition is read
+``read_committed`` from where this worker's store last restored it (else
+from the start) to its end.
+
+"Its end" is the high watermark when the restore began, not the first end
+the reader meets: a transaction still open on the changelog (the previous
+owner's, if it lost the partition while committing, or a zombie's) holds
+the readable end (the last stable offset) below it until that transaction
+commits or aborts. Stopping there would miss the decisions of a commit that
+completes a moment later, whose offsets the new owner then starts after:
+their resends would be decided again. So the restore waits for every
+transaction that was open when it began (the broker aborts one after the
+transaction timeout at the latest; the new owner's committed offsets wait
+for it too).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.resend_index import ResendIndex
+
+__all__ = ["ChangelogRestore"]
+
+log = logging.getLogger(__name__)
+
+#: How many records one read takes, and how long it waits for them.
+READ_RECORDS = 10_000
+READ_WAIT_S = 0.5
+#: How long a restore that fails (the changelog unreadable) is tried again, and how often.
+RETRY_FOR_S = 60.0
+RETRY_EVERY_S = 0.5
+#: A restore still waiting after this logs that it waits (and what for), every time again.
+WAITING_LOG_S = 5.0
+
+
+def _kafka() -> Any:
+    import confluent_kafka
+
+    return confluent_kafka
+
+
+class ChangelogRestore:
+    """Restore ``index`` for newly assigned partitions from ``topic``."""
+
+    def __init__(
+        self,
+        topic: str,
+        index: ResendIndex,
+        client_config: dict[str, object],
+        *,
+        group_id: str,
+        consumer_factory: Callable[[dict[str, object]], Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.index = index
+        self._config: dict[str, object] = {
+            **client_config,
+            # Required by the client; nothing is committed and no group is joined (assign, not subscribe).
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+        self._consumer_factory = consumer_factory or (lambda c: _kafka().Consumer(c))
+        #: Called while a restore goes on (the loop's watchdog: a long restore is not a stuck loop).
+        self.on_progress: Callable[[], None] = lambda: None
+        #: Told (partitions, entries, seconds) after each restore.
+        self.on_restored: Callable[[set[int], int, float], None] = lambda *_: None
+
+    def __call__(self, partitions: set[int]) -> None:
+        """Restore ``partitions``; returns when each is read to its end.
+        Tried again while the changelog cannot be read (a broker lost: its
+        partitions' leaders move), for up to ``RETRY_FOR_S``; then raises."""
+        if not partitions:
+            return
+        kafka = _kafka()
+        deadline = time.monotonic() + RETRY_FOR_S
+        while True:
+            try:
+                self._restore(partitions)
+                return
+            except kafka.KafkaException as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("restoring the resend index of partitions %s failed (%s); trying again",
+                            sorted(partitions), exc)  # fmt: skip
+                self.on_progress()
+                time.sleep(RETRY_EVERY_S)
+
+    def _restore(self, partitions: set[int]) -> None:
+        started = time.monotonic()
+        kafka = _kafka()
+        consumer = self._consumer_factory(self._config)
+        try:
+            targets: dict[int, int] = {}
+            starts = []
+            for p in sorted(partitions):
+                low, high = consumer.get_watermark_offsets(kafka.TopicPartition(self.topic, p), 10.0)
+                start = max(low, self.index.restored_to(p) or 0)
+                if start < high:
+                    targets[p] = high
+                    starts.append(kafka.TopicPartition(self.topic, p, start))
+            entries = self._read(consumer, starts, targets) if targets else 0
+        finally:
+            consumer.close()
+        took = time.monotonic() - started
+        log.info("resend index of partitions %s restored: %d entries in %.2f s", sorted(partitions), entries, took)
+        self.on_restored(partitions, entries, took)
+
+    def _read(self, consumer: Any, starts: list[Any], targets: dict[int, int]) -> int:
+        kafka = _kafka()
+        consumer.assign(starts)
+        pending = dict(targets)
+        entries = 0
+        waiting_since = time.monotonic()
+        while pending:
+            records = []
+            done: dict[int, int] = {}
+            for msg in consumer.consume(READ_RECORDS, READ_WAIT_S):
+                err = msg.error()
+                if err is None:
+                    ts_type, ts_ms = msg.timestamp()
+                    records.append((msg.key(), msg.value(), ts_ms / 1000.0 if ts_type else time.time()))
+                elif err.code() == kafka.KafkaError._PARTITION_EOF:
+                    p = msg.partition()
+                    if p in pending and msg.offset() >= pending[p]:
+                        done[p] = msg.offset()
+                else:
+                    raise kafka.KafkaException(err)
+            for p in done:
+                del pending[p]
+            # Entries and how far they go in one write: a crash between the two cannot skip entries.
+            entries += self.index.restore(records, done)
+            self.on_progress()
+            if pending and time.monotonic() - waiting_since > WAITING_LOG_S:
+                log.warning(
+                    "restoring the resend index of partitions %s: still short of their end %s "
+                    "(a transaction open on %s holds it back until it commits or aborts)",
+                    sorted(pending), pending, self.topic,
+                )  # fmt: skip
+                waiting_since = time.monotonic()
+        return entries
