@@ -99,12 +99,20 @@ class ChangelogRestore:
     def _restore(self, partitions: set[int]) -> None:
         started = time.monotonic()
         kafka = _kafka()
+        # NOTE: the end asked by a read_committed client is the last stable
+        # offset, which an open transaction holds back: the high watermark
+        # is asked by a read_uncommitted one (it reads nothing).
+        ends = self._consumer_factory({**self._config, "isolation.level": "read_uncommitted"})
+        try:
+            marks = {p: ends.get_watermark_offsets(kafka.TopicPartition(self.topic, p), 10.0) for p in partitions}
+        finally:
+            ends.close()
         consumer = self._consumer_factory(self._config)
         try:
             targets: dict[int, int] = {}
             starts = []
             for p in sorted(partitions):
-                low, high = consumer.get_watermark_offsets(kafka.TopicPartition(self.topic, p), 10.0)
+                low, high = marks[p]
                 start = max(low, self.index.restored_to(p) or 0)
                 if start < high:
                     targets[p] = high

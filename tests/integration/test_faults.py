@@ -391,8 +391,10 @@ def test_fault_redis_outage(
             # Degraded decisions still arrive promptly: from send to read, during the outage.
             slow = [m for m in sent if marks["down"] < m.sent_at < marks["restarting"]
                     and col.by_tx.get(m.transaction_id or "") and col.by_tx[m.transaction_id or ""][0]["_seen_at"] - m.sent_at > 5.0]  # fmt: skip
+            provisional = [d["transaction_id"] for d in decided if d.get("provisional")]
             report(t.line("redis_outage", outage_s=f"{outage_s:.0f}", degraded=len(degraded),
-                          full_after_s=f"{full_after:.1f}", worker_alive=worker.alive()))  # fmt: skip
+                          provisional=len(provisional), full_after_s=f"{full_after:.1f}",
+                          worker_alive=worker.alive()))  # fmt: skip
             assert t.lost == 0, f"{lost_detail(t)}\n{rig.workers.logs()}"
             assert t.dead_lettered == 0
             check_no_duplicate_disagrees(t)
@@ -400,6 +402,8 @@ def test_fault_redis_outage(
             assert len(in_outage) > outage_s * rate * 0.5, f"only {len(in_outage)} decisions during the outage"
             not_degraded = [d["transaction_id"] for d in in_outage if not d["degraded"]]
             assert not not_degraded, f"full decisions while Redis was down: {not_degraded[:5]}"
+            # Degraded (rules only), but never provisional: the resend index needs no Redis.
+            assert not provisional, f"{len(provisional)} provisional decisions: {provisional[:5]}"
             assert all(any(w.startswith("degraded: feature store") for w in d["explanation"]) for d in in_outage)
             assert not slow, f"{len(slow)} degraded decisions took over 5 s"
             assert full_after < 10.0, f"first full decision {full_after:.1f} s after Redis returned"
@@ -1104,6 +1108,9 @@ async def run_combined(rig: Rig, redis_server: StallableRedis, name: str, tier: 
         check_no_duplicate_disagrees(t)
         assert t.duplicated == 0, f"{t.duplicated} transactions decided twice"
         assert t.dead_lettered == 0, [d["error"] for d in col.dead_letters[:5]]
+        # Redis stopped for 10 s: resends are still told from first sights by the resend index.
+        provisional = [d["transaction_id"] for d in firsts if d.get("provisional")]
+        assert not provisional, f"{len(provisional)} provisional decisions: {provisional[:5]}"
         assert sum(w.alive() for w in rig.workers.started) == 2, rig.workers.logs()
         for w in rig.workers.started:
             assert "AuthorizationFailed" not in w.text(), w.log()
@@ -1182,9 +1189,10 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
     """One worker decides 400 signed transactions and is killed (kill -9) the moment
     the last decision is visible; Redis is stalled (SIGSTOP); a second worker starts,
     and the payment client resends 100 of them (new records, freshly signed). No
-    transaction is decided again by the redelivery, and no resend gets a decision
-    that contradicts the first: it is the first decision (from a cache) or a
-    provisional one, which never approves."""
+    transaction is decided again by the redelivery, and every resend gets the
+    first decision, answered ``cached`` from the resend index the second worker
+    restored from its changelog: Redis is not needed to recognise a resend, so
+    none is decided *provisional*."""
     key = secrets.token_bytes(32)
     client = "resend-client"
     with stallable_redis(sim_frame, tmp_path / "redis") as redis_server:
@@ -1253,6 +1261,7 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                 assert t.lost == 0 and t.dead_lettered == 0, lost_detail(t)
                 assert redelivered == 0, f"{redelivered} transactions decided again after the kill"
                 assert not contradicting, contradicting[:5]
+                assert kinds == Counter(cached=len(resent)), kinds
                 assert w2.alive(), w2.log()
 
         asyncio.run(scenario())

@@ -34,6 +34,7 @@ from models.lifecycle import SHADOW
 from models.registry import CURRENT
 from pipeline.cache import InMemoryDecisionCache, LocalFirstCache
 from pipeline.feature_store import InMemoryFeatureStore
+from pipeline.resend_index import MemoryStore, ResendIndex
 from pipeline.scorer import Scorer
 from pipeline.validate import validate
 from tests.factories import RULES, ConstantModel, tx_doc
@@ -122,7 +123,8 @@ class Worker:
             consumer_factory=kafka.consumer, producer_factory=kafka.producer,
         )  # fmt: skip
         self.shared = shared if shared is not None else SharedCache(kafka.timeline)
-        self.cache = LocalFirstCache(self.shared, ttl_s=3600, wait_s=0.05)
+        self.index = ResendIndex(MemoryStore(), 3600)
+        self.cache = LocalFirstCache(self.shared, index=self.index, ttl_s=3600, wait_s=0.05)
         model = models[serving]
         self.scorer = Scorer(model=model, rules=RULES, store=InMemoryFeatureStore(), cache=self.cache,
                              model_budget_s=2.0)  # fmt: skip
@@ -666,6 +668,45 @@ def test_a_batch_taken_while_the_last_transaction_aborts_comes_again_and_is_deci
     asyncio.run(go())
     assert sorted(fresh(kafka)) == ["t-loop-0-0", "t-loop-0-1", "t-loop-0-2", "t-loop-1-0", "t-loop-1-1"]
     assert kafka.committed(GROUP, TOPIC) == {0: 3, 1: 2}
+
+
+def test_a_committed_transaction_s_decisions_are_in_the_resend_index_and_an_aborted_one_s_nowhere(
+    tmp_path: Path, models: Any
+) -> None:
+    """Each new decision's changelog record rides in the decision's own
+    transaction, on the decision's partition; the index takes it once the
+    transaction committed. What an aborted transaction decided is in neither."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models)
+    aborted_docs: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        await worker.start()
+        aborted_docs.extend(write_new(kafka, 0, 2, prefix="t-aborted"))
+        await worker.step()
+        kafka.commit_errors.append(error(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, abortable=True))
+        await worker.commit()  # aborted: the records come again
+        assert worker.index.get_many([_tx(d) for d in aborted_docs]) == [None, None]
+        aborted_docs.extend(write_new(kafka, 1, 1))
+        await worker.step()
+        await worker.commit()
+        await worker.stop()
+
+    asyncio.run(go())
+    made = fresh(kafka)
+    assert sorted(made) == ["t-aborted-0-0", "t-aborted-0-1", "t-loop-1-0"]
+    index_topic = OUTPUTS["decision_index"]
+    entries = [(m.partition(), m.key()) for p in (0, 1) for m in kafka.logs[(index_topic, p)]]
+    assert sorted((p, key.decode().rsplit(":", 1)[-1]) for p, key in entries) == [
+        (0, "t-aborted-0-0"), (0, "t-aborted-0-1"), (1, "t-loop-1-0"),
+    ]  # one each: the aborted transaction's records never became visible
+    assert None not in worker.index.get_many([_tx(d) for d in aborted_docs])  # decided again, and committed
+
+
+def _tx(doc: dict[str, Any]) -> Transaction:
+    checked = validate(orjson.dumps(doc), time.time())
+    assert isinstance(checked, Transaction)
+    return checked
 
 
 def test_records_that_queued_while_a_batch_was_scored_are_taken_without_another_window(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import gc
 import math
 import time
@@ -23,6 +24,7 @@ import pandas as pd
 import pytest
 
 from app.contract import Transaction
+from app.placement import Placement
 from pipeline.cache import UNCHECKED, InMemoryDecisionCache, LocalFirstCache
 from pipeline.feature_store import Enrichment, InMemoryFeatureStore
 from pipeline.features import (
@@ -30,6 +32,7 @@ from pipeline.features import (
     FEATURE_SET_VERSION,
 )
 from pipeline.model import Prediction
+from pipeline.resend_index import MemoryStore, ResendIndex
 from pipeline.scorer import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits, validate
 from tests.factories import ConstantModel, iso
@@ -645,6 +648,77 @@ def test_a_resend_on_the_same_worker_is_answered_from_memory_while_redis_is_stal
 
     assert again["cached"] is True and again["provisional"] is False
     assert {k: again[k] for k in COMPARED} == {k: first[k] for k in COMPARED}
+
+
+class BrokenStore(MemoryStore):
+    """A resend index whose disk fails."""
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        raise OSError("Input/output error")
+
+
+def indexed_cache(shared: Any = None, store: Any = None) -> LocalFirstCache:
+    return LocalFirstCache(shared, index=ResendIndex(store or MemoryStore(), 3600), wait_s=0.03)
+
+
+def test_with_a_resend_index_a_stalled_redis_decides_nothing_provisionally(world: World, ensemble: Any) -> None:
+    """The index holds every decision the partition committed: a miss there is
+    a first sight, whatever Redis (a second level here) answers or does not."""
+    scorer = make_scorer(world, ensemble, cache=indexed_cache(StalledCache()))
+    docs = [world.tx(i) for i in range(12)]
+    out = asyncio.run(scorer.score_batch([inbound(d, world) for d in docs]))
+    got = decisions(out)
+    assert len(got) == 12 and not [d for d in got if d["provisional"]]
+    assert scorer.cache.unchecked == 0  # type: ignore[attr-defined]
+
+    # Committed: into the index; a resend (another batch, another worker's cache) is answered from it.
+    scorer.cache.committed(out.index_entries)  # type: ignore[attr-defined]
+    fresh = make_scorer(world, ensemble, cache=LocalFirstCache(None, index=scorer.cache.index))  # type: ignore[attr-defined]
+    again = decisions(asyncio.run(fresh.score_batch([inbound(d, world, correlation="again") for d in docs[:3]])))
+    assert [d["cached"] for d in again] == [True] * 3
+    assert [{k: d[k] for k in COMPARED} for d in again] == [{k: d[k] for k in COMPARED} for d in got[:3]]
+
+
+def test_an_index_that_cannot_be_read_decides_provisionally(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble, cache=indexed_cache(store=BrokenStore()))
+    got = decisions(asyncio.run(scorer.score_batch([inbound(world.tx(i), world) for i in range(4)])))
+    assert all(d["provisional"] and d["action"] != "approve" for d in got)
+
+
+def test_each_new_decision_is_a_changelog_record_on_its_own_partition(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble, cache=indexed_cache())
+    docs = [world.tx(i) for i in range(3)]
+    batch = [dataclasses.replace(inbound(d, world), partition=p) for p, d in zip((0, 5, 5), docs)]
+    batch.append(inbound(docs[0], world, correlation="copy"))  # a copy: answered, not a new entry
+    out = asyncio.run(scorer.score_batch(batch))
+    topics = {"decision_index": "idx", "transactions": "tx"}
+    placed = out.placed(topics)
+    assert [(topic, partition) for topic, partition, *_ in placed] == [("idx", 0), ("idx", 5), ("idx", 5)]
+    for (_, _, key, value, _), doc in zip(placed, docs):
+        assert doc["transaction_id"].encode() in key
+        assert b"latency_ms" not in value  # per delivery: a cached answer carries its own
+
+
+def test_a_record_away_from_its_home_partition_is_rerouted_not_decided(world: World, ensemble: Any) -> None:
+    """Its resends land at its home, whose index must see its decision: it is
+    produced there (same value and headers, keyed by its user) and decided by
+    that partition's owner; here it costs no admission and no features."""
+    store = RecordingStore(world.profiles, world.merchants)
+    placement = Placement(8)
+    scorer = make_scorer(world, ensemble, store=store, cache=indexed_cache(), placement=placement)
+    home, away = world.tx(1), world.tx(2)
+    at_home = dataclasses.replace(inbound(home, world), partition=placement.home(home["user_id"]))
+    elsewhere = dataclasses.replace(inbound(away, world, correlation="c-away"), key=b"not-the-user",
+                                    partition=(placement.home(away["user_id"]) + 1) % 8)  # fmt: skip
+    out = asyncio.run(scorer.score_batch([at_home, elsewhere]))
+
+    assert [d["transaction_id"] for d in decisions(out)] == [home["transaction_id"]]
+    assert store.enriched == [home["transaction_id"]]
+    [(topic, partition, key, value, headers)] = out.placed({"decision_index": "idx", "transactions": "tx"})[1:]
+    assert (topic, partition, key, value) == ("tx", placement.home(away["user_id"]), away["user_id"].encode(),
+                                              elsewhere.value)  # fmt: skip
+    assert ("correlation-id", b"c-away") in headers
+    assert out.monitoring is not None and out.monitoring["counts"]["rerouted"] == 1
 
 
 def test_a_stale_local_entry_goes_to_the_shared_cache(world: World) -> None:

@@ -1,0 +1,147 @@
+"""The resend index's changelog on the real broker (app/changelog.py): a new
+owner restores exactly what committed, waits for a transaction still open
+when it began, and a restarted worker reads only what was written since."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from confluent_kafka import Producer
+
+from app.changelog import ChangelogRestore
+from app.contract import Transaction
+from pipeline.resend_index import ResendIndex, RocksStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+TTL_S = 3600
+
+
+async def _topic(bootstrap: str, name: str, partitions: int = 2) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs={"cleanup.policy": "compact,delete"})])
+    finally:
+        await admin.close()
+
+
+def _tx(i: int) -> Transaction:
+    return Transaction(f"t-{uuid.uuid4().hex[:8]}-{i}", f"u-{i % 7:03d}", 10.0 + i, "m-000001", time.time())
+
+
+def _decision(tx: Transaction, action: str = "decline") -> bytes:
+    return orjson.dumps({"transaction_id": tx.transaction_id, "action": action, "fraud_score": 0.9})
+
+
+def _producer(bootstrap: str, tid: str) -> Producer:
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid, "enable.idempotence": True,
+                         "acks": "all", "transaction.timeout.ms": 10_000})  # fmt: skip
+    producer.init_transactions(10.0)
+    return producer
+
+
+def _write(producer: Producer, topic: str, partition: int, txs: list[Transaction]) -> None:
+    for tx in txs:
+        key, value = ResendIndex.changelog_record(tx, _decision(tx))
+        producer.produce(topic, value, key, partition)
+
+
+def _restorer(bootstrap: str, topic: str, path: Path) -> ChangelogRestore:
+    index = ResendIndex(RocksStore(path, TTL_S), TTL_S)
+    return ChangelogRestore(topic, index, {"bootstrap.servers": bootstrap}, group_id=f"restore-{uuid.uuid4().hex[:6]}")
+
+
+def _found(index: ResendIndex, txs: list[Transaction]) -> list[bool]:
+    return [hit is not None for hit in index.get_many(txs)]
+
+
+def test_a_new_owner_restores_what_committed_and_nothing_else(kafka_bootstrap: str, tmp_path: Path) -> None:
+    topic = f"idx-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    producer = _producer(kafka_bootstrap, f"{topic}-w1")
+    committed, aborted, elsewhere = [_tx(i) for i in range(5)], [_tx(i) for i in range(5, 8)], [_tx(9)]
+    producer.begin_transaction()
+    _write(producer, topic, 0, committed)
+    _write(producer, topic, 1, elsewhere)
+    producer.commit_transaction(10.0)
+    producer.begin_transaction()
+    _write(producer, topic, 0, aborted)  # a zombie's, or a transaction that failed
+    producer.abort_transaction(10.0)
+
+    restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    restore({0})
+    index = restore.index
+    assert _found(index, committed) == [True] * 5
+    assert _found(index, aborted) == [False] * 3
+    assert _found(index, elsewhere) == [False]  # partition 1 was not asked for
+    # By content too: the same payment under a new id finds the first decision.
+    again = dataclasses.replace(committed[0], transaction_id="a-new-id")
+    [hit] = index.get_many([again])
+    assert hit is not None and orjson.loads(hit)["transaction_id"] == committed[0].transaction_id
+    index.close()
+
+
+def test_a_restore_waits_for_a_transaction_open_when_it_began(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """The previous owner's commit lands a moment after the new owner began
+    restoring: the restore ends after it, with its entries."""
+    topic = f"idx-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    producer = _producer(kafka_bootstrap, f"{topic}-w1")
+    before, late = [_tx(i) for i in range(3)], [_tx(i) for i in range(3, 6)]
+    producer.begin_transaction()
+    _write(producer, topic, 0, before)
+    producer.commit_transaction(10.0)
+    producer.begin_transaction()
+    _write(producer, topic, 0, late)
+    producer.flush(10.0)  # on the broker, not yet committed
+
+    restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    finished: list[float] = []
+    worker = threading.Thread(target=lambda: (restore({0}), finished.append(time.monotonic())))
+    worker.start()
+    time.sleep(1.5)
+    assert not finished, "the restore ended before the open transaction did"
+    committed_at = time.monotonic()
+    producer.commit_transaction(10.0)
+    worker.join(30.0)
+    assert finished and finished[0] >= committed_at
+    assert _found(restore.index, before + late) == [True] * 6
+    restore.index.close()
+
+
+def test_a_restarted_worker_reads_only_what_was_written_since(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Its store remembers how far each partition was restored; entries
+    written after that (by another owner meanwhile) are read, the rest not."""
+    topic = f"idx-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    producer = _producer(kafka_bootstrap, f"{topic}-w1")
+    first, second = [_tx(i) for i in range(20)], [_tx(i) for i in range(20, 23)]
+    producer.begin_transaction()
+    _write(producer, topic, 0, first)
+    producer.commit_transaction(10.0)
+
+    counts: list[int] = []
+    restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    restore.on_restored = lambda _p, entries, _took: counts.append(entries)
+    restore({0})
+    restore.index.close()
+
+    producer.begin_transaction()
+    _write(producer, topic, 0, second)
+    producer.commit_transaction(10.0)
+
+    restarted = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    restarted.on_restored = lambda _p, entries, _took: counts.append(entries)
+    restarted({0})
+    assert counts == [20, 3]
+    assert _found(restarted.index, first + second) == [True] * 23
+    restarted.index.close()

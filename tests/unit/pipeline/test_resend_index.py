@@ -1,0 +1,89 @@
+"""The resend index (pipeline/resend_index.py): what a partition committed, by id
+and by content, for a TTL; restored from changelog records exactly as written."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import orjson
+import pytest
+
+from app.contract import Transaction
+from pipeline.resend_index import IndexStore, MemoryStore, ResendIndex, RocksStore, indexed_value
+
+TTL_S = 100.0
+
+
+def tx(i: int, **over: object) -> Transaction:
+    base = Transaction(f"t-{i}", f"u-{i % 3}", 10.0 + i, "m-1", 1_700_000_000.0 + i)
+    return dataclasses.replace(base, **over)  # type: ignore[arg-type]
+
+
+def decision(t: Transaction, action: str = "decline") -> bytes:
+    return orjson.dumps({"transaction_id": t.transaction_id, "action": action})
+
+
+@pytest.fixture(params=["memory", "rocksdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> IndexStore:
+    if request.param == "memory":
+        return MemoryStore()
+    return RocksStore(tmp_path / "index", int(TTL_S))
+
+
+def test_a_committed_decision_is_found_by_id_and_by_content(store: IndexStore) -> None:
+    clock = [1000.0]
+    index = ResendIndex(store, TTL_S, clock=lambda: clock[0])
+    first = tx(1)
+    index.add([(first, decision(first))])
+
+    same_id = dataclasses.replace(first, amount=99.0)  # a resend whose content changed: by its id
+    new_id = dataclasses.replace(first, transaction_id="t-retry")  # a retry under a new id: by content
+    other = tx(2)
+    found = index.get_many([first, same_id, new_id, other])
+    assert [orjson.loads(f)["transaction_id"] if f else None for f in found] == ["t-1", "t-1", "t-1", None]
+
+
+def test_an_entry_expires_after_the_ttl(store: IndexStore) -> None:
+    clock = [1000.0]
+    index = ResendIndex(store, TTL_S, clock=lambda: clock[0])
+    index.add([(tx(1), decision(tx(1)))])
+    clock[0] += TTL_S - 1
+    assert index.get_many([tx(1)]) != [None]
+    clock[0] += 2
+    assert index.get_many([tx(1)]) == [None]
+
+
+def test_changelog_records_restore_what_was_added(store: IndexStore) -> None:
+    """Another worker's index, restored from the changelog: the same answers,
+    expiring by the records' timestamps; how far each partition was read is kept."""
+    clock = [1000.0]
+    txs = [tx(i) for i in range(5)]
+    records = [(*ResendIndex.changelog_record(t, decision(t)), 990.0) for t in txs]
+    old = tx(7)
+    records.append((*ResendIndex.changelog_record(old, decision(old)), 1000.0 - TTL_S - 1))  # expired already
+
+    index = ResendIndex(store, TTL_S, clock=lambda: clock[0])
+    assert index.restored_to(0) is None
+    assert index.restore(records, {0: 42}) == 5
+    assert index.restored_to(0) == 42 and index.restored_to(1) is None
+    assert [f is not None for f in index.get_many([*txs, old])] == [True] * 5 + [False]
+    renamed = dataclasses.replace(txs[2], transaction_id="t-new")
+    assert orjson.loads(index.get_many([renamed])[0] or b"null")["transaction_id"] == "t-2"
+    clock[0] = 990.0 + TTL_S + 1
+    assert index.get_many(txs) == [None] * 5
+
+
+def test_the_rocksdb_store_keeps_entries_across_a_restart(tmp_path: Path) -> None:
+    index = ResendIndex(RocksStore(tmp_path / "i", int(TTL_S)), TTL_S)
+    index.add([(tx(1), decision(tx(1)))])
+    index.restore([], {3: 17})
+    index.close()
+    again = ResendIndex(RocksStore(tmp_path / "i", int(TTL_S)), TTL_S)
+    assert again.get_many([tx(1)]) != [None] and again.restored_to(3) == 17
+    again.close()
+
+
+def test_an_entry_leaves_out_what_differs_per_delivery() -> None:
+    record = {"transaction_id": "t", "action": "approve", "latency_ms": {"total": 3.0}, "correlation_id": "c"}
+    assert indexed_value(record) == {"transaction_id": "t", "action": "approve"}
