@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
-from pipeline.resend_index import ResendIndex
-
-__all__ = ["ChangelogRestore"]
+__all__ = ["ChangelogRestore", "RestoredState"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +37,19 @@ RETRY_FOR_S = 60.0
 RETRY_EVERY_S = 0.5
 #: A restore still waiting after this logs that it waits (and what for), every time again.
 WAITING_LOG_S = 5.0
+
+
+class RestoredState(Protocol):
+    """What a changelog restores (pipeline.resend_index.ResendIndex)."""
+
+    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]],
+                restored_to: dict[int, int] | None = None) -> int:  # fmt: skip
+        """Apply (key, value, timestamp) records and note how far each partition was read; returns entries kept."""
+        ...
+
+    def restored_to(self, partition: int) -> int | None:
+        """The changelog offset ``partition`` was last restored up to, if ever."""
+        ...
 
 
 def _kafka() -> Any:
@@ -53,7 +64,7 @@ class ChangelogRestore:
     def __init__(
         self,
         topic: str,
-        index: ResendIndex,
+        index: RestoredState,
         client_config: dict[str, object],
         *,
         group_id: str,
