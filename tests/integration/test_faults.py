@@ -53,6 +53,7 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
     committed_offsets,
     lost_detail,
     make_producer,
+    read_index,
     report,
     rescan,
     send_all,
@@ -1041,6 +1042,18 @@ class StallableRedis:
         os.kill(self.handle.pid, signal.SIGCONT)
         self.stalled = False
 
+    def fail(self, how: str) -> None:
+        """``stalled`` (SIGSTOP: calls hang until their timeout) or ``down``
+        (stopped: connections refused, until the test's end)."""
+        if how == "stalled":
+            self.stall()
+        else:
+            self.handle.stop()
+
+    def recover(self, how: str) -> None:
+        if how == "stalled":
+            self.resume()
+
 
 @contextlib.contextmanager
 def stallable_redis(frame: pd.DataFrame, workdir: Path) -> Iterator[StallableRedis]:
@@ -1183,11 +1196,12 @@ def test_fault_combined_every_role_on_its_own_principal(
 
 
 @tiers(fast_timeout_s=300, soak_timeout_s=300)
+@pytest.mark.parametrize("how", ["stalled", "down"])
 def test_fault_redelivery_and_resend_while_redis_is_stalled(
-    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path, tier: Tier
+    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path, tier: Tier, how: str
 ) -> None:
     """One worker decides 400 signed transactions and is killed (kill -9) the moment
-    the last decision is visible; Redis is stalled (SIGSTOP); a second worker starts,
+    the last decision is visible; Redis is stalled (SIGSTOP) or down; a second worker starts,
     and the payment client resends 100 of them (new records, freshly signed). No
     transaction is decided again by the redelivery, and every resend gets the
     first decision, answered ``cached`` from the resend index the second worker
@@ -1221,12 +1235,12 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                         lambda: all(col.has_outcome(m) for m in first), tier.drain_s, "first decisions"
                     )
                     w1.kill9()
-                    redis_server.stall()
+                    redis_server.fail(how)
                     w2 = rig.workers.start()
                     resent = [signed(d, f"again-{i}") for i, d in enumerate(docs[:100])]
                     delivered += await send_all(producer, rig.topics.transactions, resent)
                     await col.wait_for(lambda: all(col.has_outcome(m) for m in resent), PROBE_TIMEOUT_S, "resends")
-                    redis_server.resume()
+                    redis_server.recover(how)
                     # Progress past any redelivery: the second worker has committed every
                     # partition to its end (a redelivered decision commits with its offset,
                     # before it), and the reader has read every decision committed by then.
@@ -1254,7 +1268,7 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                     else:
                         contradicting.append(again["transaction_id"])
                 redelivered = sum(len(col.by_tx[m.transaction_id or ""]) - 1 for m in first[100:])
-                report(t.line("redelivery_resend_redis_stalled", redelivered_decisions=redelivered,
+                report(t.line(f"redelivery_resend_redis_{how}", redelivered_decisions=redelivered,
                               resends=len(resent), resends_contradicting=len(contradicting),
                               resend_kinds="/".join(f"{k}:{v}" for k, v in sorted(kinds.items())),
                               worker2_alive=w2.alive()))  # fmt: skip
@@ -1262,6 +1276,70 @@ def test_fault_redelivery_and_resend_while_redis_is_stalled(
                 assert redelivered == 0, f"{redelivered} transactions decided again after the kill"
                 assert not contradicting, contradicting[:5]
                 assert kinds == Counter(cached=len(resent)), kinds
+                assert w2.alive(), w2.log()
+
+        asyncio.run(scenario())
+
+
+@tiers(fast_timeout_s=300, soak_timeout_s=300)
+def test_fault_resend_after_partitions_move_while_redis_is_down(
+    rig_factory: Callable[..., Rig], sim_frame: pd.DataFrame, tmp_path: Path, tier: Tier
+) -> None:
+    """One worker decides 300 transactions; Redis goes down; a second worker
+    joins (half the partitions move to it) and every transaction is resent;
+    the first leaves (SIGTERM: all of them move) and every one is resent again.
+    Each resend is answered ``cached`` with its first decision, by whichever
+    worker owns its partition then: the partition's resend index moves with
+    it (restored from its changelog), so nothing is decided twice or
+    provisionally without Redis."""
+    with stallable_redis(sim_frame, tmp_path / "redis") as redis_server:
+        rig = rig_factory(redis_server.url, "moves", FRAUD_WORKER_ROLE="score")
+        _defaults_only(rig)
+        docs = [rig.make_tx() for _ in range(300)]
+        first = [tx_msg(d, f"first-{i}") for i, d in enumerate(docs)]
+        rounds: dict[str, list[Msg]] = {}
+
+        async def scenario() -> None:
+            await rig.topics.create(rig.bootstrap, PARTITIONS)
+            async with rig.collector() as col:
+                w1 = rig.workers.start()
+                await w1.wait_for_log("Ready", READY_TIMEOUT_S)
+                producer = make_producer(rig.bootstrap)
+                await producer.start()
+                try:
+                    await send_all(producer, rig.topics.transactions, first)
+                    await col.wait_for(lambda: all(col.has_outcome(m) for m in first), tier.drain_s, "first")
+                    redis_server.fail("down")
+                    w2 = rig.workers.start()
+                    await w2.wait_for_log("assigned partitions", READY_TIMEOUT_S)
+                    await w2.wait_for_log("Ready", READY_TIMEOUT_S)
+                    for name in ("joined", "left"):
+                        if name == "left":
+                            w1.terminate()
+                            await asyncio.to_thread(w1.proc.wait, 30)
+                        again = [tx_msg(d, f"{name}-{i}") for i, d in enumerate(docs)]
+                        rounds[name] = again
+                        await send_all(producer, rig.topics.transactions, again)
+                        await col.wait_for(lambda a=again: all(col.has_outcome(m) for m in a), PROBE_TIMEOUT_S, name)
+                    await col.wait_read_to_end(PROBE_TIMEOUT_S)
+                finally:
+                    await producer.stop()
+                t = tally(col, first, by="correlation")
+                kinds: Counter[str] = Counter()
+                for name, again in rounds.items():
+                    for i, m in enumerate(again):
+                        [answer] = col.by_corr[m.correlation]
+                        [orig] = col.by_corr[f"first-{i}"]
+                        same = all(answer[k] == orig[k] for k in ("action", "fraud_score", "decided_at"))
+                        kind = "provisional" if answer.get("provisional") else "cached" if answer["cached"] and same else "other"
+                        kinds[f"{name}:{kind}"] += 1
+                served = {w: w.text().count("resend index of partitions") for w in (w1, w2)}
+                report(t.line("resend_partitions_moved_redis_down", resends=sum(map(len, rounds.values())),
+                              kinds="/".join(f"{k}:{v}" for k, v in sorted(kinds.items())),
+                              restores=f"{served[w1]}/{served[w2]}"))  # fmt: skip
+                assert t.lost == 0 and t.dead_lettered == 0, lost_detail(t)
+                check_no_duplicate_disagrees(t)
+                assert kinds == Counter({"joined:cached": len(docs), "left:cached": len(docs)}), kinds
                 assert w2.alive(), w2.log()
 
         asyncio.run(scenario())
@@ -1296,10 +1374,19 @@ def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str,
             await col.wait_all(sent, tier.drain_s, settle=3.0, abort=rig.workers.none_alive)
             t = tally(col, sent, by="transaction")
             fenced = a.text().count("fenced from partitions")
-            report(t.line("zombie", stopped_s=15, fenced_logs=fenced, zombie_alive=a.alive()))
+            # The resend index as any new owner would restore it: one entry per
+            # transaction, each the decision a read_committed reader sees.
+            entries = await read_index(rig.bootstrap, rig.topics.decision_index)
+            firsts = {m.transaction_id: col.by_tx[m.transaction_id or ""][0] for m in sent
+                      if col.by_tx.get(m.transaction_id or "")}  # fmt: skip
+            foreign = [tx for tx, e in entries.items() if tx not in firsts or e["decided_at"] != firsts[tx]["decided_at"]]
+            report(t.line("zombie", stopped_s=15, fenced_logs=fenced, zombie_alive=a.alive(),
+                          index_entries=len(entries), index_not_visible=len(foreign)))  # fmt: skip
             assert t.lost == 0, f"{lost_detail(t)}\n{rig.workers.logs()}"
             check_no_duplicate_disagrees(t)
             assert t.duplicated == 0
+            assert not foreign, f"index entries no reader saw as decisions: {foreign[:5]}"
+            assert set(entries) >= {tx for tx, d in firsts.items() if d["action"] != "reject"}
             assert a.alive() and b.alive(), rig.workers.logs()
 
     asyncio.run(scenario())

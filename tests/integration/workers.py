@@ -650,6 +650,37 @@ async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
     return f"rescan of the output topics for {len(wanted)} lost ids: found {dict(found) or 'none'}"
 
 
+async def read_index(bootstrap: str, topic: str, **options: Any) -> dict[str, dict[str, Any]]:
+    """The resend index's changelog as a new owner restores it (read_committed,
+    to its end): per transaction id, the decision its entry holds."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    def read() -> dict[str, dict[str, Any]]:
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"index-reader-{uuid.uuid4().hex[:6]}",
+                             "enable.auto.commit": False, "isolation.level": "read_committed",
+                             "enable.partition.eof": True, **options})  # fmt: skip
+        try:
+            parts = consumer.list_topics(topic, 10.0).topics[topic].partitions
+            consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+            pending, out = set(parts), {}
+            deadline = time.monotonic() + 30.0
+            while pending and time.monotonic() < deadline:
+                for msg in consumer.consume(1000, 0.5):
+                    if msg.error() is not None:
+                        if msg.error().code() == KafkaError._PARTITION_EOF:
+                            pending.discard(msg.partition())
+                        continue
+                    value = msg.value()
+                    n = int.from_bytes(value[:2], "big")  # pipeline/resend_index.py: the content key, then the decision
+                    decision = orjson.loads(value[2 + n :])
+                    out[decision["transaction_id"]] = decision
+            return out
+        finally:
+            consumer.close()
+
+    return await asyncio.to_thread(read)
+
+
 def report(line: str) -> None:
     """Print one FAULT line (pytest -s shows it) and append it to $FRAUD_FAULT_REPORT if set."""
     print(line, flush=True)
