@@ -1377,8 +1377,7 @@ def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str,
             # The resend index as any new owner would restore it: one entry per
             # transaction, each the decision a read_committed reader sees.
             entries = await read_index(rig.bootstrap, rig.topics.decision_index)
-            firsts = {m.transaction_id: col.by_tx[m.transaction_id or ""][0] for m in sent
-                      if col.by_tx.get(m.transaction_id or "")}  # fmt: skip
+            firsts = {tx: decided[0] for tx, decided in col.by_tx.items() if decided}  # the probe's too
             foreign = [tx for tx, e in entries.items() if tx not in firsts or e["decided_at"] != firsts[tx]["decided_at"]]
             report(t.line("zombie", stopped_s=15, fenced_logs=fenced, zombie_alive=a.alive(),
                           index_entries=len(entries), index_not_visible=len(foreign)))  # fmt: skip
