@@ -53,6 +53,8 @@ class Variant:
     ``fraud-pipeline worker`` with default settings; only ``kind`` pipeline)."""
     arrivals: str = "poisson"
     """``poisson`` or ``constant`` (the outside shape's generator offers both)."""
+    settings: tuple[tuple[str, str], ...] = ()
+    """Worker settings on top of the variant's batching (``FRAUD_*`` name, value)."""
 
     @property
     def passthrough(self) -> bool:
@@ -64,6 +66,7 @@ class Variant:
             env["FRAUD_COMMIT_INTERVAL_S"] = str(self.commit_interval_s)
         if self.passthrough:  # forwards transactions unsigned: nothing to verify
             env["FRAUD_DECISION_PUBLIC_KEYS"] = ""
+        env.update(self.settings)
         return env
 
 

@@ -104,7 +104,7 @@ class Worker:
             name: f"bench-{short}-{self.tag}"
             for name, short in (
                 ("transactions", "tx"), ("decisions", "dec"), ("dlq", "dlq"),
-                ("feedback", "fb"), ("monitoring", "mon"), ("labels", "lab"),
+                ("feedback", "fb"), ("monitoring", "mon"), ("labels", "lab"), ("decision_index", "idx"),
             )
         }  # fmt: skip
         topics = self.topics
@@ -375,7 +375,7 @@ class OutsideWorkers:
     """An outside session (:class:`bench.outside.OutsideSession`) as the harness
     drives a worker: its variant, a tag, its topics (deleted when it stops)."""
 
-    TOPICS = ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels")
+    TOPICS = ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels", "decision_index")
 
     def __init__(self, variant: Variant, tag: str, session: Any, topic_names: Sequence[str]) -> None:
         self.variant = variant

@@ -220,7 +220,9 @@ class _LoadRun:
         # a consumer of a busy topic sends fetch after fetch, and serving those
         # requests, not the bytes, was most of the broker's CPU. The same goes
         # for produce requests (linger). Both bounded by a few milliseconds here.
-        self.producer = _kafka().Producer({**base, "linger.ms": LINGER_MS, "acks": "all"})
+        # murmur2: Kafka's default partitioner (Java clients, aiokafka), which the
+        # contract asks for: each user's records on their home partition (app/placement.py).
+        self.producer = _kafka().Producer({**base, "linger.ms": LINGER_MS, "acks": "all", "partitioner": "murmur2_random"})
         self.consumer = _kafka().Consumer({
             **base, "group.id": f"payments-loadgen-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
             "isolation.level": "read_committed", "fetch.min.bytes": s.fetch_min_bytes,
