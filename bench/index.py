@@ -52,7 +52,7 @@ def _decision(i: int) -> tuple[Any, bytes]:
     from app.contract import Decision, Transaction
     from pipeline.resend_index import indexed_value
 
-    tx = Transaction(f"t-{uuid.UUID(int=i).hex[:20]}", f"u-{i % 50_000:06d}", 10.0 + i % 997, f"m-{i % 5000:05d}",
+    tx = Transaction(f"t-{i:012d}-{uuid.UUID(int=i).hex[-8:]}", f"u-{i % 50_000:06d}", 10.0 + i % 997, f"m-{i % 5000:05d}",
                      1_796_000_000.0 + i / 5000)  # fmt: skip
     decision = Decision(
         transaction_id=tx.transaction_id, user_id=tx.user_id, fraud_score=0.0123, action="approve",
