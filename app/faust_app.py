@@ -12,7 +12,7 @@ from typing import Any
 
 import faust
 
-from app.seams import install_read_committed, install_wait_topic_visible
+from app.seams import install_commit_past_gaps, install_read_committed, install_wait_topic_visible
 from app.settings import Settings
 from app.topics import kafka_auth
 
@@ -45,6 +45,7 @@ def base_app(settings: Settings) -> faust.App:
     """
     install_read_committed()
     install_wait_topic_visible()
+    install_commit_past_gaps()  # feedback is transactional: its markers must not hold the commits back
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = faust.App(
         settings.app_id,
