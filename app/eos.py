@@ -64,15 +64,19 @@ TXN_CALL_TIMEOUT_S = 10.0
 COMMIT_RETRIES = 3
 
 #: How long ``send_offsets_to_transaction`` may take before it is given up
-#: as hung. NOTE: librdkafka (2.16 and earlier) can block in it far past its
-#: timeout when the group's coordinator broker is lost (its coordinator
-#: requests never check their deadline: librdkafka issues 5456 and 5511,
-#: open): a worker stuck there stops deciding yet stays in the group, and the
-#: group cannot finish a rebalance without it. So the call runs on a thread
-#: of its own, waited for this long (RELIABILITY.md, the cluster fault test).
-#: A call that takes longer has met a group coordinator that is down; a new
-#: producer (whose new epoch aborts the transaction: its records come again)
-#: costs less than waiting: the hang also holds up the group's rebalance.
+#: as hung. NOTE: the call is two requests in turn (librdkafka
+#: rdkafka_txnmgr.c): AddOffsetsToTxn to the TRANSACTION coordinator, then,
+#: once that answers, TxnOffsetCommit to the GROUP coordinator; librdkafka
+#: (2.16 and earlier) waits for their outcome without a deadline of its own.
+#: A transaction coordinator lost: AddOffsetsToTxn is retried until the
+#: coordinator of the transactional id has moved to another broker (the fault
+#: test's hang, with the group coordinator alive). A group coordinator lost:
+#: its coordinator requests never check their deadline (librdkafka issues
+#: 5456 and 5511, open). Either way a worker stuck there stops deciding yet
+#: stays in the group, and the group cannot finish a rebalance without it.
+#: So the call runs on a thread of its own, waited for this long
+#: (RELIABILITY.md, the cluster fault test); a new producer (whose new epoch
+#: aborts the transaction: its records come again) costs less than waiting.
 #: 2 s: a lost node is fenced after 1.5 s on the local cluster, and on the
 #: 3-node stack the three workers whose group coordinator was killed sat out
 #: the whole bound before anything else could go on (RELIABILITY.md).
@@ -463,7 +467,8 @@ class ExactlyOnce:
             # Left hung on its thread: only a new producer (a new epoch, which
             # aborts this transaction) can go on; the records come again.
             log.warning(
-                "sending the offsets of partitions %s hung for %.0f s (the group coordinator lost): "
+                "sending the offsets of partitions %s hung for %.0f s (AddOffsetsToTxn to the transaction "
+                "coordinator, or TxnOffsetCommit to the group coordinator, unanswered: a coordinator lost): "
                 "the transaction is abandoned",
                 sorted(txn.first),
                 self.offsets_hung_s,

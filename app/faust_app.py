@@ -8,15 +8,17 @@ the broker in exactly the same way. Agents are added by those modules.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import faust
+from faust.exceptions import AlreadyConfiguredWarning
 
-from app.seams import install_read_committed, install_wait_topic_visible
+from app.seams import install_commit_past_gaps, install_read_committed, install_wait_topic_visible
 from app.settings import Settings
-from app.topics import kafka_auth
+from app.topics import cluster_replicas, kafka_auth
 
-__all__ = ["RAW", "base_app"]
+__all__ = ["RAW", "ProjectApp", "base_app"]
 
 #: Topic options for raw bytes in and out: every record this project reads or
 #: writes is decoded and encoded by its own code (orjson, the contract).
@@ -37,6 +39,33 @@ def _credentials(settings: Settings) -> Any:
     return None
 
 
+class ProjectApp(faust.App):
+    """A faust app whose own topics get the replicas of the project's.
+
+    faust creates its changelog, repartition and leader topics at start with
+    ``topic_replication_factor`` (faust's default 1): on the 3-broker stack a
+    lost broker would have taken the merchant tally's changelog and the
+    labels' repartition topic with it. The factor is the project topics'
+    (``replication_factor``, else 3 on a cluster of 3 or more brokers), asked
+    of the cluster when the app first starts, before any of those topics is
+    declared (``on_first_start`` runs before faust starts its tables and
+    assignor); building the app stays free of network calls.
+    """
+
+    def __init__(self, settings: Settings, **options: Any) -> None:
+        super().__init__(settings.app_id, **options)
+        self.project_settings = settings
+
+    async def on_first_start(self) -> None:
+        await super().on_first_start()
+        replicas = await cluster_replicas(self.project_settings)
+        with warnings.catch_warnings():
+            # faust warns on any change after its first read of a key; nothing
+            # has declared a topic yet, so every declaration sees this value.
+            warnings.simplefilter("ignore", AlreadyConfiguredWarning)
+            self.conf.topic_replication_factor = replicas
+
+
 def base_app(settings: Settings) -> faust.App:
     """A faust app configured for this project's broker settings, without agents.
 
@@ -45,9 +74,10 @@ def base_app(settings: Settings) -> faust.App:
     """
     install_read_committed()
     install_wait_topic_visible()
+    install_commit_past_gaps()  # feedback is transactional: its markers must not hold the commits back
     sys.setswitchinterval(settings.gil_switch_interval_s)
-    app = faust.App(
-        settings.app_id,
+    app = ProjectApp(
+        settings,
         broker=f"kafka://{settings.kafka_bootstrap}",
         broker_credentials=_credentials(settings),
         store="memory://",

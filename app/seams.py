@@ -14,6 +14,9 @@ The seams:
 - :func:`install_wait_topic_visible`: patches faust's
   ``Transport._really_create_topic`` to return once every broker knows the
   topic it created (on a cluster, the worker subscribes to it right after).
+- :func:`install_commit_past_gaps`: patches faust's ``Consumer._add_gap`` and
+  ``Consumer._new_offset`` so offsets the consumer never sees (transaction
+  markers, aborted records) do not hold its commits back.
 - :func:`cluster_metadata`: aiokafka's ``AIOKafkaConsumer._client`` and
   ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
 - :func:`admin_request`: aiokafka's ``AIOKafkaAdminClient._send_request``
@@ -33,7 +36,10 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["admin_request", "cluster_metadata", "install_read_committed", "install_wait_topic_visible", "send_raw"]
+__all__ = [
+    "admin_request", "cluster_metadata", "install_commit_past_gaps", "install_read_committed",
+    "install_wait_topic_visible", "send_raw",
+]  # fmt: skip
 
 
 # --- the worker consumer's isolation level --------------------------------------------------------
@@ -130,6 +136,76 @@ def install_wait_topic_visible() -> None:
 
     _really_create_topic._fraud_patched = True  # type: ignore[attr-defined]
     transport_cls._really_create_topic = _really_create_topic  # type: ignore[method-assign]
+
+
+# --- faust's offset commits past transaction markers ----------------------------------------------
+
+
+def install_commit_past_gaps() -> None:
+    """Let faust's consumer commit past the offsets it never receives.
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.consumer.Consumer``:
+    ``_drain_messages`` calls ``_add_gap(tp, last_read + 1, offset)`` when a
+    message's offset jumps, and ``_new_offset`` commits the first run of
+    consecutive offsets among the acked ones and those gaps.
+
+    NOTE: a topic written in Kafka transactions (``feedback``: the scoring
+    loop's) has a commit marker after each transaction's records in every
+    partition, and aborted records a ``read_committed`` consumer skips: the
+    offsets a consumer receives jump by one or more. Two faults upstream
+    (faust-streaming #606 is the open report of wrong commits around gaps):
+
+    - ``_add_gap`` records ``[from, to]`` inclusive, so the offset of the
+      message just read sits in the gap and, once acked, in the acked list
+      too; the duplicate ends the run of consecutive offsets there. Each
+      commit then moved a partition past about one transaction: after a
+      demo-like run of 1,200 decisions the feedback group had committed 101
+      of ``feedback``'s 2,399 offsets, everything processed. Here the gap is
+      ``[from, to)``: only the offsets skipped.
+    - a jump right after offset 0 records no gap at all (the last read offset
+      0 is taken for "none"), and ``_new_offset`` returns None for good once
+      the lowest acked offset is more than one past the committed one. Here
+      ``_new_offset`` first fills ``[committed, lowest acked)`` as a gap when
+      no message below the lowest acked offset is delivered and unacked: the
+      consumer receives a partition's messages in offset order, so those
+      offsets were skipped, or processed and acked already.
+    """
+    import asyncio
+
+    from faust.transport import consumer as faust_consumer
+
+    consumer_cls = faust_consumer.Consumer
+    original_new_offset = consumer_cls._new_offset
+    if getattr(original_new_offset, "_fraud_patched", False):
+        return
+
+    async def _add_gap(self: Any, tp: Any, offset_from: int, offset_to: int) -> None:
+        committed = self._committed_offset[tp]
+        if committed is not None:
+            offset_from = max(offset_from, committed + 1)
+        if offset_from < offset_to:  # offset_to is the message just read: not a gap
+            gap_for_tp = self._gap[tp]
+            gap_for_tp.addi(offset_from, offset_to)
+            await asyncio.sleep(0)  # as upstream: the loop answers health checks meanwhile
+            gap_for_tp.merge_overlaps()
+
+    def _new_offset(self: Any, tp: Any) -> int | None:
+        acked = self._acked[tp]
+        committed = self._committed_offset[tp]
+        if acked and committed is not None:
+            lowest = min(acked)
+            if lowest - committed > 1 and not any(
+                m.tp == tp and m.offset < lowest and not m.acked for m in list(self._unacked_messages)
+            ):
+                gap_for_tp = self._gap[tp]
+                gap_for_tp.addi(committed, lowest)
+                gap_for_tp.merge_overlaps()
+        result: int | None = original_new_offset(self, tp)
+        return result
+
+    _new_offset._fraud_patched = True  # type: ignore[attr-defined]
+    consumer_cls._add_gap = _add_gap  # type: ignore[method-assign]
+    consumer_cls._new_offset = _new_offset  # type: ignore[method-assign]
 
 
 # --- metadata -------------------------------------------------------------------------------------

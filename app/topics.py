@@ -18,7 +18,10 @@ from app.retry import retry
 from app.seams import cluster_metadata
 from app.settings import Settings
 
-__all__ = ["ensure_topics", "kafka_auth", "sasl_password", "topic_configs", "topic_partitions"]
+__all__ = [
+    "cluster_replicas", "ensure_topics", "kafka_auth", "replicas_for", "sasl_password", "topic_configs",
+    "topic_partitions",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,26 @@ def topic_configs(settings: Settings) -> dict[str, dict[str, str]]:
     }
 
 
+def replicas_for(settings: Settings, brokers: int) -> int:
+    """Replicas of every topic created for this project, its own and faust's
+    (changelog, repartition, leader): ``replication_factor``, else 3 on a
+    cluster of 3 or more brokers and 1 on fewer."""
+    return settings.replication_factor or (3 if brokers >= 3 else 1)
+
+
+async def cluster_replicas(settings: Settings) -> int:
+    """:func:`replicas_for` the cluster at ``kafka_bootstrap`` (asked only when
+    ``replication_factor`` is 0)."""
+    if settings.replication_factor:
+        return settings.replication_factor
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
+    try:
+        await admin.start()
+        return replicas_for(settings, len((await admin.describe_cluster())["brokers"]))
+    finally:
+        await admin.close()
+
+
 async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str, int]:
     """Create missing topics; wait for the broker with backoff up to ``wait_s``."""
     wanted = topic_partitions(settings)
@@ -61,7 +84,7 @@ async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str
         try:
             await admin.start()
             existing = set(await admin.list_topics())
-            replicas = settings.replication_factor or (3 if len((await admin.describe_cluster())["brokers"]) >= 3 else 1)
+            replicas = replicas_for(settings, len((await admin.describe_cluster())["brokers"]))
             # Two acknowledgements of three: a write survives the loss of its
             # leader, and one broker down still leaves writes possible.
             configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}

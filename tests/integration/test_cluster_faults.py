@@ -18,6 +18,14 @@ three scoring workers with the product's default settings score 120 TPS for
 3. 72 s in (once that broker has restarted), the Redis primary is killed; the
    Sentinels promote a replica and the workers follow without a restart.
 
+A second, shorter line (:func:`test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts`)
+runs the feedback side: a scoring worker (which keeps the merchant tally) and
+a feedback-loop worker, labels for every decision, and, while the broker that
+leads the most partitions of the tally's changelog is down, the scoring worker
+restarted: it must recover the tally from the surviving replicas and decide
+again. Prints ``FAULT cluster_labels …`` with the same accounting, and the
+labels sent, joined into live quality and counted by the tally.
+
 A ``read_committed`` aiokafka reader (not the workers' librdkafka path)
 checks every transaction. Prints::
 
@@ -40,23 +48,30 @@ Several minutes (six JVMs, three workers and the load on two cores): marked
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pandas as pd
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from workers import (
+    REPO,
     Collector,
     Msg,
     Topics,
     TxFactory,
     Workers,
+    committed_offsets,
     make_producer,
     report,
     send_paced,
@@ -305,3 +320,199 @@ def test_a_broker_the_coordinator_and_the_redis_primary_lost_under_load(
                   events=events))  # fmt: skip
     assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), t.line("cluster")
     assert max(gaps[FIRST], gaps["coordinator"]) <= MAX_GAP_S, gaps
+
+
+# --- labels flowing through a broker loss and a worker restart ---------------------------------
+
+LABELS_RATE = 30.0
+LABELS_LOAD_S = 60.0
+#: The broker is killed this far into the load, the scoring worker stopped 2 s
+#: later and started again; the broker stays down until the new worker has
+#: decided for a few seconds, so its start (the tally's recovery) meets the loss.
+LABELS_KILL_AT_S = 10.0
+
+
+async def _faust_topics(settings: Settings, app_id: str) -> dict[str, list[dict[str, Any]]]:
+    """faust's own topics of the app ``app_id`` and of its feedback workers, and
+    the labels' repartition topic (named after the agent and the labels topic)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        names = [t for t in await admin.list_topics()
+                 if t.startswith(f"{app_id}-") or (settings.topic_labels in t and t.endswith("-repartition"))]  # fmt: skip
+    finally:
+        await admin.close()
+    return await cluster.describe_partitions(settings, names)
+
+
+async def _tally(bootstrap: str, changelog: str, partitions: int) -> dict[str, int]:
+    """Labels counted per merchant: the last value of each key of the tally's changelog."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(changelog, p) for p in range(partitions)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        counts: dict[str, int] = {}
+        remaining = {tp for tp in parts if ends[tp]}
+        while remaining:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for r in records:
+                    doc = json.loads(r.value)
+                    counts[json.loads(r.key)] = int(doc["fraud"]) + int(doc["legit"])  # keys are JSON strings
+            remaining = {tp for tp in remaining if await consumer.position(tp) < ends[tp]}
+        return counts
+    finally:
+        await consumer.stop()
+
+
+def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
+    up: Stack, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
+) -> None:
+    admin_redis = sync_client(Settings(redis_url=up.env["REDIS_URL"]), timeout_s=30)
+    try:
+        materialize(sim_frame, admin_redis, progress=False)
+    finally:
+        admin_redis.close()
+    topics = Topics.unique("cll")
+    settings = topics.settings(up.bootstrap, PARTITIONS)
+    env = worker_env(bootstrap=up.bootstrap, redis_url=up.env["REDIS_URL"], topics=topics, registry=trained_registry,
+                     workdir=tmp_path / "w", partitions=PARTITIONS, FRAUD_QUALITY_EVERY_S="1")  # fmt: skip
+    app_id = env["FRAUD_APP_ID"]
+    changelog = f"{app_id}-merchant-labels-changelog"
+    workers = Workers(tmp_path / "w", env)
+    make = TxFactory(sim_frame, f"t-cll-{topics.transactions[-6:]}")
+    sent: list[Msg] = []
+    labels: dict[str, dict[str, Any]] = {}  # by transaction id
+    at: dict[str, float] = {}
+    victim = 0
+
+    async def label_decided(col: Collector, producer: Any, until: asyncio.Event) -> None:
+        """A label for each decision once it is read, as an analyst or a chargeback would."""
+        futures = []
+        while not until.is_set():
+            for m in list(sent):
+                txid = m.transaction_id
+                if txid is None or txid in labels or not col.by_tx.get(txid):
+                    continue
+                if col.by_tx[txid][0]["action"] == "reject":
+                    continue  # no feedback record to join (an invalid or rate-limited message)
+                doc = orjson.loads(m.value)
+                label = {"transaction_id": txid, "label": "fraud" if len(labels) % 7 == 0 else "legit",
+                         "source": "chargeback", "merchant_id": doc["merchant_id"]}  # fmt: skip
+                labels[txid] = label
+                futures.append(await producer.send(topics.labels, orjson.dumps(label), key=txid.encode()))
+            await asyncio.sleep(0.5)
+        await asyncio.gather(*futures)
+
+    async def scenario() -> Collector:
+        nonlocal victim
+        await topics.create(up.bootstrap, PARTITIONS)
+        async with Collector(up.bootstrap, topics, PARTITIONS) as col:
+            scorer = workers.start(FRAUD_WORKER_ROLE="score", FRAUD_WORKER_ID="s1")
+            feedback = workers.start(FRAUD_WORKER_ROLE="feedback")
+            for w in (scorer, feedback):
+                await w.wait_for_log("Ready", 180)
+            # faust's own topics, as the replicated stack's: 3 replicas, all in sync.
+            internal = await _faust_topics(settings, app_id)
+            expected = {changelog, f"{app_id}-__assignor-__leader", f"{app_id}-feedback-__assignor-__leader"}
+            assert expected <= set(internal), sorted(internal)
+            replication = {t: {(len(p["replicas"]), len(p["isr"])) for p in parts} for t, parts in internal.items()}
+            assert all(r == {(3, 3)} for r in replication.values()), replication
+            leaders = [p["leader"] for p in internal[changelog]]
+            victim = max(set(leaders), key=leaders.count)
+            producer = make_producer(up.bootstrap, enable_idempotence=True, request_timeout_ms=60_000)
+            await producer.start()
+            done_labelling = asyncio.Event()
+            try:
+                begin = time.monotonic()
+                load = asyncio.create_task(send_paced(producer, topics.transactions, lambda i: tx_msg(make()),
+                                                      rate=LABELS_RATE, duration=LABELS_LOAD_S, sent=sent))  # fmt: skip
+                labeller = asyncio.create_task(label_decided(col, producer, done_labelling))
+                at["load"] = time.time()
+                await asyncio.sleep(LABELS_KILL_AT_S)
+                os.kill(up.pid(f"broker-{victim}"), signal.SIGKILL)
+                at["broker"] = time.time()
+                await asyncio.sleep(2.0)
+                await scorer.stop_async()
+                at["worker_stopped"] = time.time()
+                restarted = workers.start(FRAUD_WORKER_ROLE="score", FRAUD_WORKER_ID="s1")
+                await restarted.wait_for_log("Ready", 120)
+                at["worker_ready"] = time.time()
+                # The new worker decides (and the labels go on) with the broker still down.
+                await col.wait_for(lambda: any(float(d["decided_at"]) > at["worker_ready"] for d in col.decisions),
+                                   60, "a decision of the restarted worker")  # fmt: skip
+                await asyncio.sleep(3.0)
+                at["broker_restart"] = time.time()
+                await asyncio.to_thread(cluster.start_node, up.state, victim)
+                at["broker_ready"] = time.time()
+                await load
+                at["load_end"] = time.time()
+                await col.wait_all(sent, 60, settle=0)
+                await asyncio.sleep(1.0)  # the labeller's last pass
+                done_labelling.set()
+                await labeller
+                assert time.monotonic() - begin < LABELS_LOAD_S + 90, "the line ran long"
+            finally:
+                done_labelling.set()
+                await producer.stop()
+            assert restarted.alive() and feedback.alive(), workers.logs()
+            # The labels' repartition topic, declared at the first label, has 3 replicas too.
+            internal = await _faust_topics(settings, app_id)
+            repartition = [t for t in internal if t.endswith("-repartition")]
+            assert repartition and {len(p["replicas"]) for t in repartition for p in internal[t]} == {3}, internal
+            return col
+
+    try:
+        col = asyncio.run(scenario())
+
+        # Labels processed: both groups committed them to the end, live quality
+        # joined every one, and the tally counted each against its merchant.
+        def quality_labelled() -> int:
+            done = subprocess.run([sys.executable, "-m", "tools.cli", "report", "quality", "--json"], cwd=REPO,
+                                  env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return sum(m["labelled"] for m in json.loads(done.stdout)["models"].values())
+
+        label_parts = topics.partition_counts(PARTITIONS)[topics.labels]
+        ends = asyncio.run(_label_ends(up.bootstrap, topics.labels, label_parts))
+        deadline = time.monotonic() + 60
+        while True:
+            tally_group = asyncio.run(committed_offsets(up.bootstrap, app_id, topics.labels, label_parts))
+            loop_group = asyncio.run(committed_offsets(up.bootstrap, f"{app_id}-feedback", topics.labels, label_parts))
+            labelled = quality_labelled()
+            if (tally_group == ends and loop_group == ends and labelled == len(labels)) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        counted = asyncio.run(_tally(up.bootstrap, changelog, PARTITIONS))
+    finally:
+        workers.stop_all()
+    per_merchant: dict[str, int] = {}
+    for label in labels.values():
+        per_merchant[label["merchant_id"]] = per_merchant.get(label["merchant_id"], 0) + 1
+    t = tally(col, sent, by="transaction")
+    seen = sorted(d["_seen_at"] for d in col.decisions)
+
+    def offset(key: str) -> str:
+        return f"{at[key] - at['load']:.0f}s"
+
+    report(t.line("cluster_labels", labels=len(labels), labelled=labelled, tallied=sum(counted.values()),
+                  broker=victim, gap_s=f"{_gap(seen, at['broker'], at['load_end']):.1f}",
+                  worker_ready_s=f"{at['worker_ready'] - at['worker_stopped']:.1f}",
+                  events="/".join(f"{k}@{offset(k)}" for k in sorted(at, key=at.__getitem__) if k != "load")))  # fmt: skip
+    assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), t.line("cluster_labels")
+    assert at["worker_ready"] < at["broker_restart"], at  # the restart met the broker loss
+    assert tally_group == ends and loop_group == ends, (tally_group, loop_group, ends)
+    assert labelled == len(labels), (labelled, len(labels))
+    assert {m: counted.get(m, 0) for m in per_merchant} == per_merchant
+
+
+async def _label_ends(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in range(partitions)])
+        return {tp.partition: offset for tp, offset in ends.items()}
+    finally:
+        await consumer.stop()

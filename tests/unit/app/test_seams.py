@@ -101,6 +101,78 @@ def test_topic_creation_returns_once_every_broker_knows_the_topic(app: faust.App
     assert asked == [1, 2, 2]
 
 
+# --- install_commit_past_gaps ---------------------------------------------------------------------
+
+
+def _read(consumer: Any, tp: Any, offsets: list[int], unacked: tuple[int, ...] = ()) -> None:
+    """What faust's ``_drain_messages`` does per message read, then the ack
+    (but of ``unacked``): a gap from the last offset read (none after offset 0,
+    as upstream)."""
+
+    async def run() -> None:
+        last = None
+        for offset in offsets:
+            if last and offset - last > 1:
+                await consumer._add_gap(tp, last + 1, offset)
+            last = offset
+            if offset not in unacked:
+                consumer._acked[tp].append(offset)
+                consumer._acked_index[tp].add(offset)
+
+    asyncio.run(run())
+
+
+def test_commits_pass_the_transaction_markers_faust_never_receives(app: faust.App) -> None:
+    """One record per transaction: records at even offsets, commit markers at odd ones."""
+    seams.install_commit_past_gaps()
+    seams.install_commit_past_gaps()  # idempotent: patched once
+    from faust.transport import consumer as faust_consumer
+
+    assert getattr(faust_consumer.Consumer._new_offset, "_fraud_patched", False)
+    # Upstream still records a jump as (last read + 1, offset read) through _add_gap.
+    assert "await self._add_gap(tp, r_offset + 1, offset)" in inspect.getsource(faust_consumer.Consumer._drain_messages)
+    consumer, tp = app.consumer, faust.types.TP("feedback", 0)
+    _read(consumer, tp, [0, 2, 4, 6, 8])
+    first = consumer._new_offset(tp)
+    consumer._committed_offset[tp] = first
+    # The first commit stops after offset 0 (no gap is recorded after it); the
+    # next takes every record read: unpatched, each took about one more.
+    assert (first, consumer._new_offset(tp)) == (1, 9)
+
+
+def test_a_skipped_run_after_offset_0_does_not_stop_the_commits(app: faust.App) -> None:
+    """Offset 0 a record, 1-2 an aborted record and its marker: no gap is recorded
+    (upstream), and unpatched the commit never passed offset 1."""
+    seams.install_commit_past_gaps()
+    consumer, tp = app.consumer, faust.types.TP("feedback", 0)
+    _read(consumer, tp, [0, 3, 4])
+    consumer._committed_offset[tp] = consumer._new_offset(tp)
+    assert consumer._committed_offset[tp] == 1
+    assert consumer._new_offset(tp) == 5
+
+
+def test_offsets_below_a_delivered_unacked_message_are_not_taken_for_skipped(app: faust.App) -> None:
+    """Committed 1, offset 4 acked, offset 2 delivered and not acked yet: 1-3
+    are not a gap to fill (2 is being processed)."""
+    seams.install_commit_past_gaps()
+    consumer, tp = app.consumer, faust.types.TP("feedback", 0)
+
+    class Message:  # what faust tracks as delivered and not yet acked
+        def __init__(self, offset: int) -> None:
+            self.tp, self.offset, self.acked = tp, offset, False
+
+    pending = Message(2)
+    consumer._unacked_messages.add(pending)
+    consumer._committed_offset[tp] = 1
+    consumer._acked[tp].append(4)
+    assert consumer._new_offset(tp) is None
+    pending.acked = True
+    consumer._acked[tp].append(2)
+    consumer._committed_offset[tp] = consumer._new_offset(tp)
+    assert consumer._committed_offset[tp] == 3
+    assert consumer._new_offset(tp) == 5
+
+
 # --- cluster_metadata -----------------------------------------------------------------------------
 
 
