@@ -131,4 +131,5 @@ def test_the_only_broker_killed_and_restarted_under_load(
                   ready_s=f"{ready - restart:.1f}", recover_s=f"{recover_s:.1f}",
                   decide_s=f"{decide_s:.1f}", back_s=f"{back_s:.1f}", gap_s=f"{gap_s:.1f}"))  # fmt: skip
     assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), t.line("broker-restart")
+    assert provisional == 0, t.line("broker-restart")
     assert recover_s <= RESUME_S, f"decisions resumed {recover_s:.1f} s after the broker was back"

@@ -222,4 +222,5 @@ def test_a_worker_under_load_follows_a_failover_without_a_restart(
     report(t.line("redis-failover", provisional=provisional, degraded=int(times["degraded"]),
                   promoted_s=f"{times['promoted_s']:.1f}", recover_s=f"{times['recover_s']:.1f}"))  # fmt: skip
     assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), t.line("redis-failover")
+    assert provisional == 0, "a resend is told from a first sight without Redis (the resend index)"
     assert times["recover_s"] < 15, times
