@@ -14,8 +14,10 @@ Disk: the changelog partition's log and the store.
 
 **cpu**: a bench worker with the defaults (the index alone answers resends)
 and one with ``FRAUD_DECISION_CACHE_REDIS=true`` (Redis looked up in the
-batch's script and written after each commit), alternated, each fresh,
-under the bench's own load: CPU ms per decision of worker, broker and Redis.
+batch's script and written after each commit), and with ``--base PATH`` the
+worker of another checkout (the code before the index), alternated, each
+fresh, under the bench's own load: CPU ms per decision of worker, broker and
+Redis, and latency.
 
 Written to ``bench/results/index.json`` and ``index.png`` (machine info beside
 the numbers).
@@ -158,7 +160,9 @@ def restore_part(svc: Any, workdir: Path, records: int) -> dict[str, Any]:
     }
 
 
-def cpu_part(svc: Any, workdir: Path, rates: Sequence[float], repeat: int) -> list[dict[str, Any]]:
+def cpu_part(
+    svc: Any, workdir: Path, rates: Sequence[float], repeat: int, base: str | None = None
+) -> list[dict[str, Any]]:
     from bench.plan import BATCHED, POPULATION, QUICK_PLAN, Phase
     from bench.report import _row
     from bench.runner import VERIFY_SHARE, Bench
@@ -167,13 +171,17 @@ def cpu_part(svc: Any, workdir: Path, rates: Sequence[float], repeat: int) -> li
     from tools.loadgen import LoadConfig, run_load
 
     phase = Phase(5.0, 10.0, 5.0)
-    variants = (BATCHED, replace(BATCHED, name="batched-redis-cache", settings=(("FRAUD_DECISION_CACHE_REDIS", "true"),)))
+    variants: tuple[Any, ...] = (
+        BATCHED, replace(BATCHED, name="batched-redis-cache", settings=(("FRAUD_DECISION_CACHE_REDIS", "true"),)),
+    )  # fmt: skip
+    if base:  # the code before the resend index, from another checkout
+        variants += (replace(BATCHED, name="before-index", checkout=base),)
     bench = Bench(QUICK_PLAN, svc, workdir, time.monotonic())
     bench.deadline = float("inf")
     runs: list[dict[str, Any]] = []
     seed = 900
     for rep in range(repeat):
-        for variant in variants[rep % 2 :] + variants[: rep % 2]:
+        for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
             handle = bench._start(variant)
             assert isinstance(handle, Worker)  # the inside shape: a bench worker
             try:
@@ -214,7 +222,7 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
         left.set_title(f"one partition, {r['records']:,} entries", fontsize=10)
         left.tick_params(axis="x", labelsize=8)
     runs = doc.get("cpu", [])
-    for name, color in (("batched", "#4c72b0"), ("batched-redis-cache", "#dd8452")):
+    for name, color in (("batched", "#4c72b0"), ("batched-redis-cache", "#dd8452"), ("before-index", "#55a868")):
         mine = sorted((x for x in runs if x["variant"] == name and x["cpu_ms_per_decision"]),
                       key=lambda x: x["offered_tps"])  # fmt: skip
         if mine:
@@ -245,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=HOUR_AT_PEAK_PER_PARTITION)
     parser.add_argument("--rates", type=float, nargs="+", default=[1000.0, 2000.0])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--base", help="a checkout of the code before the resend index: its worker as a third variant")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "index.json")
     args = parser.parse_args(args_in)
     started_at = datetime.now(UTC)
@@ -257,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["restore"] = restore_part(svc, workdir / "restore", args.records)
         if args.part in ("cpu", "both"):
             doc["prepared"] = prepare(svc)
-            doc["cpu"] = cpu_part(svc, workdir, args.rates, args.repeat)
+            doc["cpu"] = cpu_part(svc, workdir, args.rates, args.repeat, args.base)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     _plot(doc, args.out.with_suffix(".png"))

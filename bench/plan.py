@@ -55,6 +55,10 @@ class Variant:
     """``poisson`` or ``constant`` (the outside shape's generator offers both)."""
     settings: tuple[tuple[str, str], ...] = ()
     """Worker settings on top of the variant's batching (``FRAUD_*`` name, value)."""
+    checkout: str | None = None
+    """Another checkout of this project whose worker runs instead (``kind``
+    pipeline): code before a change against code after it, in one run. Settings
+    that checkout does not know are left out of its environment."""
 
     @property
     def passthrough(self) -> bool:

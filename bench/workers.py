@@ -132,6 +132,10 @@ class Worker:
             argv = [sys.executable, "-m", "bench.passthrough"]
         elif variant.kind == "streams":
             argv = streams_peer.launcher_argv(variant.commit_interval_s)
+        elif variant.checkout:
+            argv = [sys.executable, "-m", "tools.cli", "worker"]  # run from that checkout: its packages first
+            known = _known_settings(variant.checkout)
+            env = {k: v for k, v in env.items() if not k.startswith("FRAUD_") or k[6:].lower() in known}
         else:
             script = Path(sys.executable).parent / "fraud-pipeline"
             argv = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
@@ -144,7 +148,7 @@ class Worker:
         self.started_at = time.monotonic()
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(
-                argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                argv, cwd=variant.checkout or REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         log.debug("worker %s pid %d: %s", self.tag, self.proc.pid, " ".join(argv))
@@ -325,6 +329,15 @@ def services(workdir: Path, *, secure: bool = False) -> Iterator[Services]:
     finally:
         for handle in reversed(handles):
             handle.stop()
+
+
+def _known_settings(checkout: str) -> set[str]:
+    """The settings fields of the project at ``checkout`` (its own code, imported there)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "from app.settings import Settings; print(' '.join(Settings.model_fields))"],
+        cwd=checkout, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    return set(done.stdout.split())
 
 
 def _cli() -> list[str]:
