@@ -36,6 +36,7 @@ from pipeline.feature_store import RedisFeatureStore
 from pipeline.labels import Label
 from pipeline.quality import Served
 from pipeline.ratelimit import InMemoryRateLimiter, RedisRateLimiter
+from pipeline.resend_index import MemoryStore, ResendIndex
 from pipeline.scorer import Inbound
 from pipeline.validate import validate
 from tests.integration.workers import RULES, TxFactory
@@ -241,12 +242,12 @@ def test_scorer_built_for_a_cluster_url(
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         assert runtime.cluster  # decided from the URL, once, for every part
         client = runtime.redis()
-        scorer = runtime.build_scorer(client, runtime.decision_cache(client))
+        scorer = runtime.build_scorer(client, runtime.decision_cache(client, ResendIndex(MemoryStore(), 3600)))
         assert scorer.lookup is None  # a script may not span slots: the separate calls
         now = time.time()
         batch = [Inbound(orjson.dumps(d), {}, now, 0, i) for i, d in enumerate(docs)]
         first = await scorer.score_batch(batch)
-        await scorer.cache.put_many(first.to_cache)
+        scorer.cache.committed(first.index_entries)  # type: ignore[attr-defined]  # as the loop after a commit
         again = await scorer.score_batch([Inbound(m.value, {}, now, 1, m.offset) for m in batch])
         return [orjson.loads(v) for _, v in first.decisions], [orjson.loads(v) for _, v in again.decisions]
 
