@@ -33,28 +33,37 @@ BROKERS ?= 1
 
 .PHONY: setup test-tools lint check demo test test-cluster soak stack-up stack-down stack-status simulate train materialize clean
 
-KAFKA_LIB := .kafka/lib
+# The broker's Kafka version: deploy/kafka/pom.xml's (4.4.0), or KAFKA_VERSION from
+# the environment or the command line (KAFKA_VERSION=3.9.1 make setup, then the same
+# variable for the stack and the tests: tools/stack/ reads it too). Each version has
+# its own folder of jars, so switching never mixes them, and switching back is instant.
+ifeq ($(KAFKA_VERSION),)
+KAFKA_VERSION := $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' deploy/kafka/pom.xml)
+endif
+export KAFKA_VERSION
+KAFKA_LIB := .kafka/$(KAFKA_VERSION)/lib
 KAFKA_STAMP := $(KAFKA_LIB)/.fetched
 
 setup: $(STAMP) $(KAFKA_STAMP)
 
 # The local broker: Apache Kafka's jars and their runtime dependencies from Maven
-# Central (deploy/kafka/pom.xml pins the version; ~46 MB, cached in ~/.m2).
+# Central (~46 MB, cached in ~/.m2). Kafka 3.x logs through reload4j, 4.x through
+# log4j2: the pom's profile for each brings the matching slf4j binding.
 $(KAFKA_STAMP): deploy/kafka/pom.xml
 	@{ command -v java >/dev/null && command -v mvn >/dev/null; } || { echo "installing Java and Maven (apt: default-jre-headless maven)"; \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends default-jre-headless maven) >/dev/null 2>&1 \
 	  || { echo "need java (17+) and mvn on PATH (Debian: apt-get install default-jre-headless maven)"; exit 1; }; }
 	@java -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "need Java 17+, found " $$2; exit 1 } }'
 	rm -rf $(KAFKA_LIB)
-	mvn -q -B -f deploy/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB)
+	mvn -q -B -f deploy/kafka/pom.xml -Dkafka.version=$(KAFKA_VERSION) $(if $(filter 3.%,$(KAFKA_VERSION)),-Preload4j,) \
+	  dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory=$(CURDIR)/$(KAFKA_LIB)
 	touch $(KAFKA_STAMP)
 
 # The benchmark's peer (bench/streams/): a Kafka Streams exactly_once_v2
 # pass-through, compiled with its runtime class path (~80 MB of jars, cached in
-# ~/.m2) at the broker's Kafka version, read from deploy/kafka/pom.xml so that
-# both move together. Only `make bench` needs it.
-KAFKA_VERSION = $(shell sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' deploy/kafka/pom.xml)
-STREAMS_STAMP := bench/streams/target/.built
+# ~/.m2) at the broker's Kafka version (KAFKA_VERSION above), so that both move
+# together (the stamp names the version: another one rebuilds). Only `make bench` needs it.
+STREAMS_STAMP := bench/streams/target/.built-$(KAFKA_VERSION)
 .PHONY: streams
 streams: $(STREAMS_STAMP)
 
