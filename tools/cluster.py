@@ -54,6 +54,7 @@ from tools.stack.broker import (
     kafka_classpath,
     log_config_flag,
     new_cluster_id,
+    write_log_config,
 )
 from tools.stack.ports import ensure_port_free, free_ports
 from tools.stack.process import ServiceHandle, runs, spawn
@@ -344,6 +345,7 @@ def _write_config(state_dir: Path, name: str, cluster: Cluster, secure: bool) ->
             props.update(kafka_secure.secure_properties(state_dir, None, cluster.controllers[index - 1]))
     config = node_dir / "server.properties"
     write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
+    write_log_config(node_dir)
     return config
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "log_config_flag",
     "new_cluster_id",
     "start_broker",
+    "write_log_config",
 ]
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +194,7 @@ def start_broker(
         format_args = kafka_secure.format_scram_args(workdir)
     write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
     jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
-           log_config_flag(workdir), "-cp", classpath]  # fmt: skip
+           write_log_config(workdir), "-cp", classpath]  # fmt: skip
     if not formatted:
         format_log_dir(jvm, config, workdir / "broker.log", format_args)
     handle = spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
@@ -304,21 +305,30 @@ def lib_kafka_version(lib: Path | None = None) -> str:
 
 
 def log_config_flag(directory: Path) -> str:
-    """Write the quiet logging configuration of the Kafka version in the class
-    path to ``directory`` and return the JVM flag that names it.
+    """The JVM flag that names the quiet logging configuration in ``directory``
+    (:func:`write_log_config` writes it) for the Kafka version in the class path.
 
     NOTE: the flag must match the logging back end in the jars. 3.x reads
     ``-Dlog4j.configuration`` (reload4j); 4.x ignores it and reads
     ``-Dlog4j2.configurationFile``: given the other one, a broker logs every
     INFO line of every component, or prints log4j2's "No configuration found".
     """
-    if int(lib_kafka_version().split(".")[0]) >= 4:
-        path = directory / "broker-log4j2.properties"
-        path.write_text(BROKER_LOG4J2)
-        return f"-Dlog4j2.configurationFile={path}"
-    path = directory / "broker-log4j.properties"
-    path.write_text(BROKER_LOG4J)
-    return f"-Dlog4j.configuration=file:{path}"
+    if _logs_through_log4j2():
+        return f"-Dlog4j2.configurationFile={directory / 'broker-log4j2.properties'}"
+    return f"-Dlog4j.configuration=file:{directory / 'broker-log4j.properties'}"
+
+
+def write_log_config(directory: Path) -> str:
+    """Write the configuration :func:`log_config_flag` names; return that flag."""
+    if _logs_through_log4j2():
+        (directory / "broker-log4j2.properties").write_text(BROKER_LOG4J2)
+    else:
+        (directory / "broker-log4j.properties").write_text(BROKER_LOG4J)
+    return log_config_flag(directory)
+
+
+def _logs_through_log4j2() -> bool:
+    return int(lib_kafka_version().split(".")[0]) >= 4
 
 
 def java_binary() -> str:
