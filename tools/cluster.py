@@ -48,12 +48,13 @@ from app.settings import Settings
 from app.topics import ensure_topics, kafka_auth
 from tools import kafka_secure, redis_ha
 from tools.stack.broker import (
-    BROKER_LOG4J,
     base_properties,
     format_log_dir,
     java_binary,
     kafka_classpath,
+    log_config_flag,
     new_cluster_id,
+    write_log_config,
 )
 from tools.stack.ports import ensure_port_free, free_ports
 from tools.stack.process import ServiceHandle, runs, spawn
@@ -344,7 +345,7 @@ def _write_config(state_dir: Path, name: str, cluster: Cluster, secure: bool) ->
             props.update(kafka_secure.secure_properties(state_dir, None, cluster.controllers[index - 1]))
     config = node_dir / "server.properties"
     write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
-    (node_dir / "broker-log4j.properties").write_text(BROKER_LOG4J)
+    write_log_config(node_dir)
     return config
 
 
@@ -354,12 +355,11 @@ def _jvm(state_dir: Path, name: str, *, tool: bool = False) -> list[str]:
     A controller and a tool run C1-compiled code only, with the serial
     collector: their work is small, and the JIT's and G1's threads would take
     the cores from the brokers at every start (six JVMs at once)."""
-    log4j = _node_dir(state_dir, name) / "broker-log4j.properties"
     if tool or name.startswith("controller"):
         flags = [*CONTROLLER_HEAP, "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
     else:
         flags = [*NODE_HEAP, "-XX:+UseG1GC"]
-    return [java_binary(), *flags, "-Djava.awt.headless=true", f"-Dlog4j.configuration=file:{log4j}",
+    return [java_binary(), *flags, "-Djava.awt.headless=true", log_config_flag(_node_dir(state_dir, name)),
             "-cp", kafka_classpath()]  # fmt: skip
 
 

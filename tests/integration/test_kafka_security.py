@@ -35,7 +35,7 @@ from pipeline.auth import sign
 from tests.integration.workers import Topics, TxFactory, Workers, produce_one, tx_msg, worker_env
 from tools import kafka_acls, kafka_secure, stack
 from tools.kafka_acls import acls
-from tools.stack.broker import KAFKA_LIB_DIR, kafka_classpath
+from tools.stack.broker import KAFKA_HOME, kafka_classpath, lib_kafka_version, write_log_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -472,14 +472,16 @@ def test_the_deploy_script_grants_a_role_its_row_with_kafka_acls(secure: SecureB
     )
     config.chmod(0o600)
     tool = tmp_path / "kafka-acls.sh"
+    # Kafka 4.0 moved the tool out of the broker jar (kafka-tools, deploy/kafka/pom.xml).
+    main = "org.apache.kafka.tools.AclCommand" if int(lib_kafka_version().split(".")[0]) >= 4 else "kafka.admin.AclCommand"
     tool.write_text(
         "#!/bin/sh\nexec java -Xmx128m -XX:TieredStopAtLevel=1 "
-        f"-Dlog4j.configuration=file:{secure.workdir / 'broker-log4j.properties'} "
-        f"-cp '{kafka_classpath()}' kafka.admin.AclCommand \"$@\"\n"
+        f"{write_log_config(tmp_path)} "
+        f"-cp '{kafka_classpath()}' {main} \"$@\"\n"
     )
     tool.chmod(0o755)
     env = {**os.environ, "KAFKA_ACLS": str(tool), "PYTHON": sys.executable}
-    script = KAFKA_LIB_DIR.parents[1] / "deploy" / "kafka" / "acls.sh"
+    script = KAFKA_HOME.parent / "deploy" / "kafka" / "acls.sh"
     done = subprocess.run([str(script), secure.bootstrap, str(config), "--user", "analyst=analyst-b"],
                           env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -12,8 +12,8 @@ processes ``down`` ever signals), ``broker.log``, ``redis.log`` and ``env``. Whe
 that service is taken as given and only waited for.
 
 The broker is Apache Kafka's own ``kafka.Kafka`` from the jars ``make setup``
-fetches from Maven Central into ``.kafka/lib`` (``deploy/kafka/pom.xml`` pins the
-version), run by the machine's Java 17+ as one process acting as broker and
+fetches from Maven Central into ``.kafka/<version>/lib`` (``deploy/kafka/pom.xml``
+names the default version, ``KAFKA_VERSION`` another), run by the machine's Java 17+ as one process acting as broker and
 KRaft controller. Its log directory lives in the state dir (``kafka-logs``),
 formatted on first start; topic data survives a restart of the broker, and
 retention by time and size keeps the disk flat on long runs (``BROKER_CONFIG``).

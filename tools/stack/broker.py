@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -24,17 +25,37 @@ __all__ = [
     "BROKER_CONFIG",
     "BROKER_HEAP",
     "BROKER_LOG4J",
-    "KAFKA_LIB_DIR",
+    "BROKER_LOG4J2",
+    "DEFAULT_KAFKA_VERSION",
+    "KAFKA_HOME",
     "base_properties",
     "format_log_dir",
     "java_binary",
     "kafka_classpath",
+    "kafka_lib_dir",
+    "kafka_version",
+    "lib_kafka_version",
+    "log_config_flag",
     "new_cluster_id",
     "start_broker",
+    "write_log_config",
 ]
 
-#: Where ``make setup`` puts the broker's class path (``deploy/kafka/pom.xml``).
-KAFKA_LIB_DIR = Path(__file__).resolve().parents[2] / ".kafka" / "lib"
+_REPO = Path(__file__).resolve().parents[2]
+#: Where ``make setup`` puts each Kafka version's class path: ``<version>/lib``,
+#: one folder per version, so that switching versions never mixes their jars.
+KAFKA_HOME = _REPO / ".kafka"
+#: The version ``make setup`` fetches unless ``KAFKA_VERSION`` names another:
+#: deploy/kafka/pom.xml's, read here so that the pom stays its only statement.
+def _pom_kafka_version() -> str:
+    pom = (_REPO / "deploy" / "kafka" / "pom.xml").read_text()
+    found = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom)
+    if found is None:
+        raise StackError("deploy/kafka/pom.xml names no <kafka.version>")
+    return found.group(1)
+
+
+DEFAULT_KAFKA_VERSION = _pom_kafka_version()
 #: Heap for a 2-core machine shared with the workers, Redis and the load generator.
 BROKER_HEAP = ("-Xms256m", "-Xmx768m")
 
@@ -92,7 +113,9 @@ BROKER_CONFIG: dict[str, str] = {
     "broker.heartbeat.interval.ms": "500",
 }
 
-#: WARN and up, plus the server's start and stop lines: the broker's log stays readable.
+#: WARN and up, plus the server's start and stop lines: the broker's log stays
+#: readable. Kafka 3.x logs through slf4j and reload4j (log4j 1 syntax); 4.x
+#: through log4j2 (:data:`BROKER_LOG4J2`, the same levels and line format).
 BROKER_LOG4J = """\
 log4j.rootLogger=WARN, stdout
 log4j.appender.stdout=org.apache.log4j.ConsoleAppender
@@ -101,6 +124,24 @@ log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n
 log4j.logger.kafka.server.KafkaRaftServer=INFO
 log4j.logger.org.apache.kafka.controller=WARN
 log4j.logger.kafka.coordinator.transaction=WARN
+"""
+
+#: :data:`BROKER_LOG4J` for Kafka 4.x, in log4j2's properties syntax. The line
+#: format is the same: ``tools/cluster.py`` reads the controllers' activation
+#: times from it. ``status = warn``: log4j2's own notes stay out of the log;
+#: no shutdown hook: log4j2's would stop logging while the broker's controlled
+#: shutdown still logs (and restart it, with a warning of its own).
+BROKER_LOG4J2 = """\
+status = warn
+shutdownHook = disable
+appender.stdout.type = Console
+appender.stdout.name = STDOUT
+appender.stdout.layout.type = PatternLayout
+appender.stdout.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.stdout.ref = STDOUT
+logger.server.name = kafka.server.KafkaRaftServer
+logger.server.level = INFO
 """
 
 
@@ -152,10 +193,8 @@ def start_broker(
         props.update(kafka_secure.secure_properties(workdir, port, controller_port))
         format_args = kafka_secure.format_scram_args(workdir)
     write_private(config, "".join(f"{key}={value}\n" for key, value in props.items()))
-    log4j = workdir / "broker-log4j.properties"
-    log4j.write_text(BROKER_LOG4J)
     jvm = [java, *BROKER_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
-           f"-Dlog4j.configuration=file:{log4j}", "-cp", classpath]  # fmt: skip
+           write_log_config(workdir), "-cp", classpath]  # fmt: skip
     if not formatted:
         format_log_dir(jvm, config, workdir / "broker.log", format_args)
     handle = spawn("broker", [*jvm, "kafka.Kafka", str(config)], f"127.0.0.1:{port}", workdir / "broker.log")
@@ -232,14 +271,64 @@ def _java_argfile_quote(argument: str) -> str:
     return '"' + argument.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def kafka_version() -> str:
+    """The Kafka version to run: ``$KAFKA_VERSION`` (as ``make setup`` reads it), else the pom's."""
+    version = os.environ.get("KAFKA_VERSION") or DEFAULT_KAFKA_VERSION
+    if not re.fullmatch(r"\d+\.\d+\.\d+", version):
+        raise StackError(f"KAFKA_VERSION={version!r}: a release number like {DEFAULT_KAFKA_VERSION} expected")
+    return version
+
+
+def kafka_lib_dir() -> Path:
+    """``$FRAUD_KAFKA_LIB`` (a folder of jars), else ``.kafka/<kafka_version()>/lib`` from ``make setup``."""
+    given = os.environ.get("FRAUD_KAFKA_LIB")
+    return Path(given) if given else KAFKA_HOME / kafka_version() / "lib"
+
+
 def kafka_classpath() -> str:
-    """``$FRAUD_KAFKA_LIB`` (a folder of jars), else ``.kafka/lib`` from ``make setup``."""
-    lib = Path(os.environ.get("FRAUD_KAFKA_LIB") or KAFKA_LIB_DIR)
+    """The broker's class path: every jar in :func:`kafka_lib_dir`."""
+    lib = kafka_lib_dir()
     if not any(lib.glob("kafka_2.13-*.jar")):
+        setup = "make setup" if "FRAUD_KAFKA_LIB" in os.environ else f"KAFKA_VERSION={kafka_version()} make setup"
         raise StackError(
-            f"no Apache Kafka jars in {lib}: run `make setup` (Maven fetches them per deploy/kafka/pom.xml)"
+            f"no Apache Kafka jars in {lib}: run `{setup}` (Maven fetches them per deploy/kafka/pom.xml)"
         )
     return f"{lib}/*"
+
+
+def lib_kafka_version(lib: Path | None = None) -> str:
+    """The version of the broker jar in ``lib`` (default :func:`kafka_lib_dir`): what will run."""
+    jars = sorted((lib or kafka_lib_dir()).glob("kafka_2.13-*.jar"))
+    if not jars:
+        kafka_classpath()  # raises, naming the set-up to run
+    return jars[0].name.removeprefix("kafka_2.13-").removesuffix(".jar")
+
+
+def log_config_flag(directory: Path) -> str:
+    """The JVM flag that names the quiet logging configuration in ``directory``
+    (:func:`write_log_config` writes it) for the Kafka version in the class path.
+
+    NOTE: the flag must match the logging back end in the jars. 3.x reads
+    ``-Dlog4j.configuration`` (reload4j); 4.x ignores it and reads
+    ``-Dlog4j2.configurationFile``: given the other one, a broker logs every
+    INFO line of every component, or prints log4j2's "No configuration found".
+    """
+    if _logs_through_log4j2():
+        return f"-Dlog4j2.configurationFile={directory / 'broker-log4j2.properties'}"
+    return f"-Dlog4j.configuration=file:{directory / 'broker-log4j.properties'}"
+
+
+def write_log_config(directory: Path) -> str:
+    """Write the configuration :func:`log_config_flag` names; return that flag."""
+    if _logs_through_log4j2():
+        (directory / "broker-log4j2.properties").write_text(BROKER_LOG4J2)
+    else:
+        (directory / "broker-log4j.properties").write_text(BROKER_LOG4J)
+    return log_config_flag(directory)
+
+
+def _logs_through_log4j2() -> bool:
+    return int(lib_kafka_version().split(".")[0]) >= 4
 
 
 def java_binary() -> str:
