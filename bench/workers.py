@@ -136,6 +136,9 @@ class Worker:
             argv = [sys.executable, "-m", "tools.cli", "worker"]  # run from that checkout: its packages first
             known = _known_settings(variant.checkout)
             env = {k: v for k, v in env.items() if not k.startswith("FRAUD_") or k[6:].lower() in known}
+            # The same model and rules as every other variant (relative paths would resolve in that checkout).
+            env.setdefault("FRAUD_REGISTRY_DIR", str((REPO / self.settings.registry_dir).resolve()))
+            env.setdefault("FRAUD_RULES_PATH", str((REPO / self.settings.rules_path).resolve()))
         else:
             script = Path(sys.executable).parent / "fraud-pipeline"
             argv = [str(script)] if script.exists() else [sys.executable, "-m", "tools.cli"]
