@@ -47,9 +47,13 @@ def topic_configs(settings: Settings) -> dict[str, dict[str, str]]:
         # partition's changelog holds about a TTL of its decisions, which is
         # what a new owner reads. Segments roll every tenth of the TTL so the
         # expired ones go while the rest stay.
+        # NOTE: no size limit, whatever the broker's default (the local stack's
+        # is 128 MiB a partition): an entry dropped before its TTL is a resend
+        # decided again.
         settings.topic_decision_index: {
             "cleanup.policy": "compact,delete",
             "retention.ms": str(ttl_ms),
+            "retention.bytes": "-1",
             "segment.ms": str(max(60_000, ttl_ms // 10)),
         },
     }

@@ -129,13 +129,16 @@ def _restore_here(bootstrap: str, topic: str, store: Path) -> None:
 def restore_part(svc: Any, workdir: Path, records: int) -> dict[str, Any]:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+    from app.settings import Settings
+    from app.topics import topic_configs
+
     topic = f"bench-index-{uuid.uuid4().hex[:8]}"
 
     async def create() -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=svc.bootstrap)
         await admin.start()
         try:
-            configs = {"cleanup.policy": "compact,delete", "retention.ms": str(3600 * 1000 * 2)}
+            configs = {**topic_configs(Settings())[Settings().topic_decision_index], "retention.ms": str(3600 * 1000 * 2)}
             await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
         finally:
             await admin.close()
