@@ -27,8 +27,10 @@ __all__ = [
     "BROKER_LOG4J",
     "BROKER_LOG4J2",
     "DEFAULT_KAFKA_VERSION",
+    "FORMATTED_BY",
     "KAFKA_HOME",
     "base_properties",
+    "check_formatted_by",
     "format_log_dir",
     "java_binary",
     "kafka_classpath",
@@ -178,6 +180,8 @@ def start_broker(
     props = base_properties(port, controller_port, workdir / "kafka-logs")
     format_args: list[str] = []
     formatted = (workdir / "kafka-logs" / "meta.properties").exists()
+    if formatted:
+        check_formatted_by(workdir)
     if secure and formatted and not kafka_secure.password_file(workdir, kafka_secure.ADMIN).exists():
         raise StackError(f"{workdir} holds a plaintext broker's log dir (no SCRAM users): use another state dir")
     if secure and formatted:
@@ -263,6 +267,34 @@ def format_log_dir(
         log.write(result.stdout + result.stderr)
     if result.returncode != 0:
         raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
+    (config.parent / FORMATTED_BY).write_text(lib_kafka_version() + "\n")
+
+
+#: Beside a node's ``kafka-logs``: the Kafka version that formatted it.
+FORMATTED_BY = "kafka-version"
+
+
+def check_formatted_by(directory: Path) -> None:
+    """Refuse to start a Kafka older than the one that formatted ``directory/kafka-logs``.
+
+    NOTE: Kafka does not downgrade: 3.9.1 on a log dir 4.4.0 formatted exits at
+    once with "Can't read version 4 of BrokerEndpoint" in its log. Said here
+    first, with what to do. A dir formatted before the version was recorded is
+    not checked.
+    """
+    stamp = directory / FORMATTED_BY
+    if not stamp.exists():
+        return
+    formatted, running = stamp.read_text().strip(), lib_kafka_version()
+    if _release(running) < _release(formatted):
+        raise StackError(
+            f"{directory} was formatted by Kafka {formatted}, which {running} cannot read (Kafka does not "
+            f"downgrade): use another state dir, or remove it (rm -rf {directory}), or run KAFKA_VERSION={formatted}"
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def _java_argfile_quote(argument: str) -> str:
