@@ -26,11 +26,11 @@ __all__ = [
     "BROKER_HEAP",
     "BROKER_LOG4J",
     "BROKER_LOG4J2",
-    "DEFAULT_KAFKA_VERSION",
     "FORMATTED_BY",
     "KAFKA_HOME",
     "base_properties",
     "check_formatted_by",
+    "default_kafka_version",
     "format_log_dir",
     "java_binary",
     "kafka_classpath",
@@ -47,17 +47,22 @@ _REPO = Path(__file__).resolve().parents[2]
 #: Where ``make setup`` puts each Kafka version's class path: ``<version>/lib``,
 #: one folder per version, so that switching versions never mixes their jars.
 KAFKA_HOME = _REPO / ".kafka"
-#: The version ``make setup`` fetches unless ``KAFKA_VERSION`` names another:
-#: deploy/kafka/pom.xml's, read here so that the pom stays its only statement.
-def _pom_kafka_version() -> str:
-    pom = (_REPO / "deploy" / "kafka" / "pom.xml").read_text()
-    found = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom)
+
+
+def default_kafka_version() -> str:
+    """The version ``make setup`` fetches unless ``KAFKA_VERSION`` names another:
+    deploy/kafka/pom.xml's, read here so that the pom stays its only statement.
+
+    NOTE: read when asked, not at import: an installed copy of ``tools`` (the
+    container image) has no deploy/ beside it and never starts a broker.
+    """
+    pom = _REPO / "deploy" / "kafka" / "pom.xml"
+    found = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom.read_text()) if pom.exists() else None
     if found is None:
-        raise StackError("deploy/kafka/pom.xml names no <kafka.version>")
+        raise StackError(f"{pom} names no <kafka.version>: set KAFKA_VERSION")
     return found.group(1)
 
 
-DEFAULT_KAFKA_VERSION = _pom_kafka_version()
 #: Heap for a 2-core machine shared with the workers, Redis and the load generator.
 BROKER_HEAP = ("-Xms256m", "-Xmx768m")
 
@@ -305,9 +310,9 @@ def _java_argfile_quote(argument: str) -> str:
 
 def kafka_version() -> str:
     """The Kafka version to run: ``$KAFKA_VERSION`` (as ``make setup`` reads it), else the pom's."""
-    version = os.environ.get("KAFKA_VERSION") or DEFAULT_KAFKA_VERSION
+    version = os.environ.get("KAFKA_VERSION") or default_kafka_version()
     if not re.fullmatch(r"\d+\.\d+\.\d+", version):
-        raise StackError(f"KAFKA_VERSION={version!r}: a release number like {DEFAULT_KAFKA_VERSION} expected")
+        raise StackError(f"KAFKA_VERSION={version!r}: a release number like 4.4.0 or 3.9.1 expected")
     return version
 
 
@@ -342,8 +347,9 @@ def log_config_flag(directory: Path) -> str:
 
     NOTE: the flag must match the logging back end in the jars. 3.x reads
     ``-Dlog4j.configuration`` (reload4j); 4.x ignores it and reads
-    ``-Dlog4j2.configurationFile``: given the other one, a broker logs every
-    INFO line of every component, or prints log4j2's "No configuration found".
+    ``-Dlog4j2.configurationFile``. Given the other one, the broker falls back
+    to its library's defaults: log4j2 logs errors only, after a "No
+    configuration found" notice; reload4j nothing, after a "no appenders" warning.
     """
     if _logs_through_log4j2():
         return f"-Dlog4j2.configurationFile={directory / 'broker-log4j2.properties'}"

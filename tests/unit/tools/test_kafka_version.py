@@ -24,8 +24,8 @@ def _jars(tmp_path: Path, version: str, monkeypatch: pytest.MonkeyPatch) -> Path
 def test_each_version_has_its_own_folder_and_the_pom_names_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FRAUD_KAFKA_LIB", raising=False)
     monkeypatch.delenv("KAFKA_VERSION", raising=False)
-    assert kafka_lib_dir() == broker.KAFKA_HOME / broker.DEFAULT_KAFKA_VERSION / "lib"
-    assert broker.DEFAULT_KAFKA_VERSION.startswith("4.")
+    assert kafka_lib_dir() == broker.KAFKA_HOME / broker.default_kafka_version() / "lib"
+    assert broker.default_kafka_version().startswith("4.")
     monkeypatch.setenv("KAFKA_VERSION", "3.9.1")
     assert kafka_lib_dir() == broker.KAFKA_HOME / "3.9.1" / "lib"
 
