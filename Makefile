@@ -189,7 +189,7 @@ test-cluster: setup
 # `make test` runs them beside the rest: ~6 minutes, the fault file's length.
 KAFKA_OTHER_VERSION := 3.9.1
 .PHONY: test-kafka39
-test-kafka39: setup
+test-kafka39: $(STAMP)
 	$(MAKE) --no-print-directory KAFKA_VERSION=$(KAFKA_OTHER_VERSION) setup
 	@mkdir -p .stack && rm -f .stack/fault-report-kafka39.txt
 	KAFKA_VERSION=$(KAFKA_OTHER_VERSION) FRAUD_FAULT_REPORT=.stack/fault-report-kafka39.txt \

@@ -49,6 +49,7 @@ from app.topics import ensure_topics, kafka_auth
 from tools import kafka_secure, redis_ha
 from tools.stack.broker import (
     base_properties,
+    check_formatted_by,
     format_log_dir,
     java_binary,
     kafka_classpath,
@@ -270,6 +271,7 @@ def _read_config(state_dir: Path, name: str) -> dict[str, str]:
 
 def _spawn_node(state_dir: Path, name: str) -> ServiceHandle:
     """Start broker or controller ``name`` (``broker-2``, ``controller-1``); its URL is where it listens."""
+    check_formatted_by(_node_dir(state_dir, name))
     config = _node_dir(state_dir, name) / "server.properties"
     port = _read_config(state_dir, name)["listeners"].split(",")[0].rsplit(":", 1)[1]
     return spawn(name, [*_jvm(state_dir, name), "kafka.Kafka", str(config)], f"127.0.0.1:{port}",

@@ -26,9 +26,11 @@ __all__ = [
     "BROKER_HEAP",
     "BROKER_LOG4J",
     "BROKER_LOG4J2",
-    "DEFAULT_KAFKA_VERSION",
+    "FORMATTED_BY",
     "KAFKA_HOME",
     "base_properties",
+    "check_formatted_by",
+    "default_kafka_version",
     "format_log_dir",
     "java_binary",
     "kafka_classpath",
@@ -45,17 +47,22 @@ _REPO = Path(__file__).resolve().parents[2]
 #: Where ``make setup`` puts each Kafka version's class path: ``<version>/lib``,
 #: one folder per version, so that switching versions never mixes their jars.
 KAFKA_HOME = _REPO / ".kafka"
-#: The version ``make setup`` fetches unless ``KAFKA_VERSION`` names another:
-#: deploy/kafka/pom.xml's, read here so that the pom stays its only statement.
-def _pom_kafka_version() -> str:
-    pom = (_REPO / "deploy" / "kafka" / "pom.xml").read_text()
-    found = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom)
+
+
+def default_kafka_version() -> str:
+    """The version ``make setup`` fetches unless ``KAFKA_VERSION`` names another:
+    deploy/kafka/pom.xml's, read here so that the pom stays its only statement.
+
+    NOTE: read when asked, not at import: an installed copy of ``tools`` (the
+    container image) has no deploy/ beside it and never starts a broker.
+    """
+    pom = _REPO / "deploy" / "kafka" / "pom.xml"
+    found = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom.read_text()) if pom.exists() else None
     if found is None:
-        raise StackError("deploy/kafka/pom.xml names no <kafka.version>")
+        raise StackError(f"{pom} names no <kafka.version>: set KAFKA_VERSION")
     return found.group(1)
 
 
-DEFAULT_KAFKA_VERSION = _pom_kafka_version()
 #: Heap for a 2-core machine shared with the workers, Redis and the load generator.
 BROKER_HEAP = ("-Xms256m", "-Xmx768m")
 
@@ -178,6 +185,8 @@ def start_broker(
     props = base_properties(port, controller_port, workdir / "kafka-logs")
     format_args: list[str] = []
     formatted = (workdir / "kafka-logs" / "meta.properties").exists()
+    if formatted:
+        check_formatted_by(workdir)
     if secure and formatted and not kafka_secure.password_file(workdir, kafka_secure.ADMIN).exists():
         raise StackError(f"{workdir} holds a plaintext broker's log dir (no SCRAM users): use another state dir")
     if secure and formatted:
@@ -263,6 +272,34 @@ def format_log_dir(
         log.write(result.stdout + result.stderr)
     if result.returncode != 0:
         raise StackError(f"formatting the broker's log dir failed:\n{result.stdout}{result.stderr}")
+    (config.parent / FORMATTED_BY).write_text(lib_kafka_version() + "\n")
+
+
+#: Beside a node's ``kafka-logs``: the Kafka version that formatted it.
+FORMATTED_BY = "kafka-version"
+
+
+def check_formatted_by(directory: Path) -> None:
+    """Refuse to start a Kafka older than the one that formatted ``directory/kafka-logs``.
+
+    NOTE: Kafka does not downgrade: 3.9.1 on a log dir 4.4.0 formatted exits at
+    once with "Can't read version 4 of BrokerEndpoint" in its log. Said here
+    first, with what to do. A dir formatted before the version was recorded is
+    not checked.
+    """
+    stamp = directory / FORMATTED_BY
+    if not stamp.exists():
+        return
+    formatted, running = stamp.read_text().strip(), lib_kafka_version()
+    if _release(running) < _release(formatted):
+        raise StackError(
+            f"{directory} was formatted by Kafka {formatted}, which {running} cannot read (Kafka does not "
+            f"downgrade): use another state dir, or remove it (rm -rf {directory}), or run KAFKA_VERSION={formatted}"
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def _java_argfile_quote(argument: str) -> str:
@@ -273,9 +310,9 @@ def _java_argfile_quote(argument: str) -> str:
 
 def kafka_version() -> str:
     """The Kafka version to run: ``$KAFKA_VERSION`` (as ``make setup`` reads it), else the pom's."""
-    version = os.environ.get("KAFKA_VERSION") or DEFAULT_KAFKA_VERSION
+    version = os.environ.get("KAFKA_VERSION") or default_kafka_version()
     if not re.fullmatch(r"\d+\.\d+\.\d+", version):
-        raise StackError(f"KAFKA_VERSION={version!r}: a release number like {DEFAULT_KAFKA_VERSION} expected")
+        raise StackError(f"KAFKA_VERSION={version!r}: a release number like 4.4.0 or 3.9.1 expected")
     return version
 
 
@@ -310,8 +347,9 @@ def log_config_flag(directory: Path) -> str:
 
     NOTE: the flag must match the logging back end in the jars. 3.x reads
     ``-Dlog4j.configuration`` (reload4j); 4.x ignores it and reads
-    ``-Dlog4j2.configurationFile``: given the other one, a broker logs every
-    INFO line of every component, or prints log4j2's "No configuration found".
+    ``-Dlog4j2.configurationFile``. Given the other one, the broker falls back
+    to its library's defaults: log4j2 logs errors only, after a "No
+    configuration found" notice; reload4j nothing, after a "no appenders" warning.
     """
     if _logs_through_log4j2():
         return f"-Dlog4j2.configurationFile={directory / 'broker-log4j2.properties'}"
