@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ from workers import (
     committed_offsets,
     make_producer,
     report,
+    send_all,
     send_paced,
     tally,
     tx_msg,
@@ -389,6 +391,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     labels: dict[str, dict[str, Any]] = {}  # by transaction id
     at: dict[str, float] = {}
     victim = 0
+    resent: list[tuple[str, Msg]] = []  # (the first decision's transaction id, its resend)
 
     async def label_decided(col: Collector, producer: Any, until: asyncio.Event) -> None:
         """A label for each decision once it is read, as an analyst or a chargeback would."""
@@ -445,6 +448,15 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
                 # The new worker decides (and the labels go on) with the broker still down.
                 await col.wait_for(lambda: any(float(d["decided_at"]) > at["worker_ready"] for d in col.decisions),
                                    60, "a decision of the restarted worker")  # fmt: skip
+                # The same payments as 60 the first worker decided, under new ids: the
+                # restarted worker restored the resend index (its changelog at RF 3)
+                # with the broker down, and answers each with the first decision.
+                early = [m for m in sent if m.transaction_id and col.by_tx.get(m.transaction_id)][:60]
+                for m in early:
+                    doc = orjson.loads(m.value)
+                    again = tx_msg({**doc, "transaction_id": f"{doc['transaction_id']}-r"})
+                    resent.append((m.transaction_id or "", again))
+                await send_all(producer, topics.transactions, [r for _, r in resent])
                 await asyncio.sleep(3.0)
                 at["broker_restart"] = time.time()
                 await asyncio.to_thread(cluster.start_node, up.state, victim)
@@ -452,6 +464,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
                 await load
                 at["load_end"] = time.time()
                 await col.wait_all(sent, 60, settle=0)
+                await col.wait_for(lambda: all(col.has_outcome(r) for _, r in resent), 60, "the resends")
                 await asyncio.sleep(1.0)  # the labeller's last pass
                 done_labelling.set()
                 await labeller
@@ -499,12 +512,19 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     def offset(key: str) -> str:
         return f"{at[key] - at['load']:.0f}s"
 
+    answered = Counter(
+        "cached" if (again := col.by_tx[r.transaction_id or ""][0])["cached"]
+        and again["decided_at"] == col.by_tx[first][0]["decided_at"] else "other"
+        for first, r in resent
+    )  # fmt: skip
     report(t.line("cluster_labels", labels=len(labels), labelled=labelled, tallied=sum(counted.values()),
+                  resends="/".join(f"{k}:{v}" for k, v in sorted(answered.items())),
                   broker=victim, gap_s=f"{_gap(seen, at['broker'], at['load_end']):.1f}",
                   worker_ready_s=f"{at['worker_ready'] - at['worker_stopped']:.1f}",
                   events="/".join(f"{k}@{offset(k)}" for k in sorted(at, key=at.__getitem__) if k != "load")))  # fmt: skip
     assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), t.line("cluster_labels")
     assert at["worker_ready"] < at["broker_restart"], at  # the restart met the broker loss
+    assert answered == Counter(cached=len(resent)) and len(resent) == 60, answered
     assert tally_group == ends and loop_group == ends, (tally_group, loop_group, ends)
     assert labelled == len(labels), (labelled, len(labels))
     assert {m: counted.get(m, 0) for m in per_merchant} == per_merchant
