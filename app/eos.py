@@ -218,6 +218,10 @@ class ExactlyOnce:
         self.generation = 0
         #: The partitions the last rewind since the last take put back.
         self._rewound: set[int] = set()
+        #: Rewinds librdkafka refused (``_OUTDATED`` while a rebalance is under
+        #: way): tried again before every take, and until one succeeds nothing
+        #: the partition delivers is used (its records would skip the rewound ones).
+        self._unsought: dict[int, int] = {}
         #: Called (on the client thread) with the partitions revoked.
         self.on_revoked: Callable[[set[int]], None] = lambda _: None
         #: Called (on the client thread) with partitions whose state must be
@@ -298,6 +302,8 @@ class ExactlyOnce:
         numbers = {tp.partition for tp in partitions}
         # Before returning: the client starts fetching these partitions after it.
         self.restore(numbers)
+        for p in numbers:
+            self._unsought.pop(p, None)  # fetched from the committed offset
         self.assigned |= numbers
         self.joined = True
         log.info("assigned partitions %s of %s (now %s)", sorted(numbers), self.topic, sorted(self.assigned))
@@ -314,6 +320,7 @@ class ExactlyOnce:
         self.assigned -= numbers
         for p in numbers:
             self.committed_offsets.pop(p, None)
+            self._unsought.pop(p, None)  # its new owner reads the committed offset
         log.info("partitions %s of %s revoked", sorted(numbers), self.topic)
         self.on_revoked(numbers)
 
@@ -327,6 +334,9 @@ class ExactlyOnce:
         return TakenBatch.of(messages, self.generation)
 
     def _take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> list[Any]:
+        if self._unsought:
+            unsought, self._unsought = self._unsought, {}
+            self._seek(unsought)  # what fails again stays in _unsought
         generation = self.generation
         self._rewound = set()
         polled = self._consumer.consume(max_records, within_s)
@@ -341,6 +351,8 @@ class ExactlyOnce:
         for msg in polled:
             err = msg.error()
             if err is None:
+                if msg.partition() in self._unsought:
+                    continue  # past a rewind not yet made: it comes again after it
                 out.append(msg)
             elif err.code() != _kafka().KafkaError._PARTITION_EOF:
                 log.warning("consumer: %s", err)
@@ -574,7 +586,12 @@ class ExactlyOnce:
             try:
                 self._consumer.seek(kafka.TopicPartition(self.topic, partition, offset))
             except kafka.KafkaException as exc:
-                log.warning("seeking partition %d to %d failed: %s", partition, offset, exc)
+                # NOTE: going on from where the partition is would skip the
+                # records being rewound (lost: their offsets commit with the
+                # next transaction). Tried again before the next take.
+                log.warning("seeking partition %d to %d failed: %s; trying again before the next take",
+                            partition, offset, exc)  # fmt: skip
+                self._unsought[partition] = offset
 
     # -- introspection -----------------------------------------------------------
 

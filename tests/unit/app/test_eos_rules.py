@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from app.eos import COMMIT_RETRIES, ExactlyOnce, TakenBatch
 from tests.kafka_fakes import FakeConsumer, FakeKafka, error
@@ -189,6 +189,44 @@ def test_an_abortable_commit_error_aborts_and_the_same_records_come_back() -> No
     assert kafka.committed(GROUP, TOPIC) == {0: 5, 1: 2}
     assert len(kafka.events("abort")) == 1
     assert len(kafka.producers) == 1  # an abort keeps the producer
+
+
+def test_a_rewind_librdkafka_refuses_is_made_before_the_next_take_and_no_record_is_skipped() -> None:
+    """librdkafka refuses a seek while the partition's fetch state changes
+    (``_OUTDATED``, in a rebalance). Going on from where the partition is
+    would commit past the aborted records (lost); the rewind is tried again
+    before the next take, and what the partition delivers meanwhile is not used."""
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        first = await take(s)
+        assert taken(first) == [(0, 0), (0, 1), (0, 2)]
+        consumer = consumer_of(kafka, s)
+        real_seek, refused = consumer.seek, []
+
+        def seek_refused_once(tp: Any) -> None:
+            if not refused:
+                refused.append(tp.partition)
+                raise KafkaException(error(KafkaError._OUTDATED))
+            real_seek(tp)
+
+        consumer.seek = seek_refused_once  # type: ignore[method-assign]
+        kafka.commit_errors.append(error(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, abortable=True))
+        await s.send(first, echo(first))
+        assert await s.commit() == [(1, "aborted")]
+        assert refused == [0]
+        fill(kafka, 0, 1)  # the partition goes on delivering after the refused rewind
+        again = await take(s)
+        while not again.messages:
+            again = await take(s)
+        assert taken(again)[0] == (0, 0)  # from the rewind, none skipped
+        await s.send(again, echo(again))
+        assert await s.commit() == [(2, "committed")]
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3"]
+    assert kafka.committed(GROUP, TOPIC) == {0: 4}
 
 
 def test_offsets_refused_by_the_group_abort_the_transaction() -> None:
