@@ -244,6 +244,7 @@ class LocalFirstCache:
         except Exception as exc:  # a disk error must not cost the batch: its decisions are provisional
             log.error("the resend index could not be read (%r): %d lookups unchecked", exc, len(misses))
             found = [UNCHECKED] * len(misses)
+            self.unchecked += len(misses)  # counted here: the one-call lookup asks only this
         for i, hit in zip(misses, found):
             out[i] = hit if hit is UNCHECKED or hit is None else orjson.loads(hit)
         return out
@@ -261,8 +262,8 @@ class LocalFirstCache:
             for i, hit in zip(misses, remote):
                 if hit is UNCHECKED and self.authoritative and out[i] is None:
                     hit = None  # the index said: never decided; Redis only could have said more
+                self.unchecked += hit is UNCHECKED and out[i] is not UNCHECKED  # the index's are counted
                 out[i] = hit
-        self.unchecked += sum(hit is UNCHECKED for hit in out)
         return out
 
     async def _shared_many(self, txs: list[Transaction]) -> list[Any]:

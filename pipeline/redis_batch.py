@@ -3,9 +3,10 @@
 On one Redis server the scorer asks Redis once per micro-batch, not three or
 four times (cache, replay guard, rate limiter, feature store)::
 
-    requests ─ this worker's decisions (memory) ─┬─ hit ──────────────────► cached
+    requests ─ held decisions, resend index ─────┬─ hit ──────────────────► cached
                                                  └─ one script call:
-        1. decision cache, by id and content ─┬─ hit ─────────────────────► cached
+        1. decision cache, by id and content    ─┬─ hit ─────────────────────► cached
+           (only with FRAUD_DECISION_CACHE_REDIS)│
                                               ├─ 2nd copy in the batch ───► follows its first
         2. admission of first copies: replay  │
            guard (signed) + token buckets ────┼─ refused ─────────────────► rejected

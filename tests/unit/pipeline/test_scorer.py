@@ -683,6 +683,7 @@ def test_an_index_that_cannot_be_read_decides_provisionally(world: World, ensemb
     scorer = make_scorer(world, ensemble, cache=indexed_cache(store=BrokenStore()))
     got = decisions(asyncio.run(scorer.score_batch([inbound(world.tx(i), world) for i in range(4)])))
     assert all(d["provisional"] and d["action"] != "approve" for d in got)
+    assert scorer.cache.unchecked == 4  # type: ignore[attr-defined]  # once each, for the worker's metric
 
 
 def test_each_new_decision_is_a_changelog_record_on_its_own_partition(world: World, ensemble: Any) -> None:
