@@ -57,11 +57,19 @@ RATE = 120.0
 LOAD_S = 45.0
 KILL_AT_S = 10.0
 DOWN_S = 7.0
-#: The acceptance: decisions resume within this long of the broker's return.
-#: Measured 3.7-4.0 s run alone and 5.9-6.3 s at the end of CI's full run (the
-#: FAULT line reports each); the bound catches a recovery that waits out a
-#: transaction timeout (10 s), not that spread.
-RESUME_S = 8.0
+#: The acceptance. While the broker is down every worker's consumer loses its
+#: group session (6 s, ``FRAUD_SESSION_TIMEOUT_S``) and rejoins with a new member
+#: id; the restarted group coordinator loads the old members and waits out their
+#: session before the rebalance completes (its log: "Member … has failed,
+#: removing it from the group" 6 s after "Loaded classic group"). So the first
+#: decision is made about 6 s after the broker answers: measured 6.2-6.3 s on
+#: 4.4.0, alone and at the end of CI's full run. The bound catches a recovery
+#: that also waits out a transaction timeout (10 s).
+DECIDE_S = 8.0
+#: Until a ``read_committed`` reader sees a decision: the first commit after the
+#: rebalance may be abandoned once by the worker's 2 s hang watchdog and redone
+#: (measured 6.2-8.4 s); still under the transaction timeout.
+RESUME_S = 10.0
 
 
 def test_the_only_broker_killed_and_restarted_under_load(
@@ -132,4 +140,5 @@ def test_the_only_broker_killed_and_restarted_under_load(
                   decide_s=f"{decide_s:.1f}", back_s=f"{back_s:.1f}", gap_s=f"{gap_s:.1f}"))  # fmt: skip
     assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), t.line("broker-restart")
     assert provisional == 0, t.line("broker-restart")
+    assert decide_s <= DECIDE_S, f"the first decision was made {decide_s:.1f} s after the broker was back"
     assert recover_s <= RESUME_S, f"decisions resumed {recover_s:.1f} s after the broker was back"
