@@ -50,6 +50,10 @@ KNOBS: dict[str, dict[str, str]] = {
     "window_25ms": {"FRAUD_BATCH_WINDOW_S": "0.025"},
     # One batch per transaction: the window as long as the commit interval was.
     "window_25ms_commit_0": {"FRAUD_BATCH_WINDOW_S": "0.025", "FRAUD_COMMIT_INTERVAL_S": "0"},
+    # A bigger take once a queue has formed (no window: at lower rates a take
+    # returns what is queued, less than either): more work per commit cycle.
+    "batch_128": {"FRAUD_BATCH_SIZE": "128"},
+    "batch_256": {"FRAUD_BATCH_SIZE": "256"},
     "batch_256_window_20ms": {"FRAUD_BATCH_SIZE": "256", "FRAUD_BATCH_WINDOW_S": "0.02"},
     "batch_1024_window_20ms": {"FRAUD_BATCH_SIZE": "1024", "FRAUD_BATCH_WINDOW_S": "0.02"},
     # Kafka Streams' pacing: a 10 ms window and every transaction open its whole
