@@ -90,6 +90,15 @@ class ScoringLoop:
             await self.step(first)
             first = None
             self.on_step()
+            # NOTE: Python 3.11's asyncio.wait_for returns its awaitable's result
+            # instead of raising when the task is cancelled as that awaitable
+            # completes (CPython gh-86296, fixed in 3.12). The model's and Redis's
+            # bounded calls could so swallow the worker's shutdown, and the loop
+            # went on deciding after faust had stopped (a SIGTERM'd worker that
+            # did not exit). The request is still counted on the task.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
 
     async def step(self, batch: TakenBatch | None = None) -> None:
         """Take what is queued (or wait for a record), commit the open

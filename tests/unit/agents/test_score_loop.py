@@ -528,6 +528,46 @@ def test_stopping_commits_what_is_open_and_caches_it(tmp_path: Path, models: Any
     assert kafka.committed(GROUP, TOPIC) == {0: 2}
 
 
+def test_a_stop_swallowed_by_a_bounded_call_inside_a_step_still_ends_the_loop(tmp_path: Path, models: Any) -> None:
+    """faust stops the scoring task by cancelling it; on Python 3.11 a
+    cancellation that arrives as an ``asyncio.wait_for``'s awaitable completes
+    is swallowed (it returns the result), as the model's and Redis's bounded
+    calls would: the loop ends after that step all the same."""
+    kafka = new_kafka()
+    worker = Worker(kafka, tmp_path, models)
+    write_new(kafka, 0, 2)
+    score = worker.loop.score
+    inside = asyncio.Event()
+    answer: asyncio.Future[None] | None = None
+
+    async def bounded_then_score(batch: Any) -> Any:
+        nonlocal answer
+        answer = asyncio.get_running_loop().create_future()
+        inside.set()
+        await asyncio.wait_for(answer, 10.0)
+        return await score(batch)
+
+    worker.loop.score = bounded_then_score  # type: ignore[method-assign]
+
+    async def go() -> bool:
+        await worker.stream.start()
+        task = asyncio.create_task(worker.loop.run())
+        await asyncio.wait_for(inside.wait(), 5.0)
+        assert answer is not None
+        task.cancel()
+        answer.set_result(None)  # the bounded call completes as the stop arrives
+        try:
+            await asyncio.wait_for(task, 5.0)
+        except asyncio.CancelledError:
+            pass
+        stopped = task.cancelled()
+        await worker.stop()
+        return stopped
+
+    assert asyncio.run(go()), "the loop went on after its task was cancelled"
+    assert fresh(kafka) == ["t-loop-0-0", "t-loop-0-1"]
+
+
 def test_a_transaction_commits_once_the_commit_interval_has_passed(tmp_path: Path, models: Any) -> None:
     kafka = new_kafka()
     worker = Worker(kafka, tmp_path, models, interval_s=0.2)
