@@ -92,8 +92,8 @@ class ScoringLoop:
             self.on_step()
             # NOTE: Python 3.11's asyncio.wait_for returns its awaitable's result
             # instead of raising when the task is cancelled as that awaitable
-            # completes (CPython gh-86296, fixed in 3.12). The model's and Redis's
-            # bounded calls could so swallow the worker's shutdown, and the loop
+            # completes (CPython gh-86296, fixed in 3.12). The model's bounded call
+            # (pipeline/scorer.py) could so swallow the worker's shutdown, and the loop
             # went on deciding after faust had stopped (a SIGTERM'd worker that
             # did not exit). The request is still counted on the task.
             task = asyncio.current_task()
