@@ -68,7 +68,13 @@ class World:
 def make_scorer(
     world: World, model: Any, store: InMemoryFeatureStore | None = None, cache: DecisionCache | None = None, **kw: Any
 ) -> Scorer:
-    """A Scorer on the world's features and clock, ``RULES`` and ``cache`` (an empty one by default)."""
+    """A Scorer on the world's features and clock, ``RULES`` and ``cache`` (an empty one by default).
+
+    The model's budget is 5 s unless a test sets it: a test of what the model
+    answers must not turn on a 50 ms wall clock (a real ensemble's call missed
+    it once on a CI machine busy with the integration tests beside it, and the
+    batch was decided by rules); the budget's own tests set it."""
+    kw.setdefault("model_budget_s", 5.0)
     return Scorer(
         model=model,
         rules=RULES,
