@@ -66,7 +66,7 @@ DOWN_S = 7.0
 #: after "Loaded classic group"); then, on 4.4.0, the first transaction's
 #: TxnOffsetCommit often goes unanswered and the worker's 2 s hang watchdog
 #: (``OFFSETS_HUNG_S``) abandons it and decides those records again (seen in
-#: 1 to 3 of the 3 workers, with and without the resend index). Measured 6.2-8.9 s;
+#: 1 to 3 of the 3 workers, with and without the resend index). Measured 6.3-8.9 s;
 #: the bound catches a second rebalance or a worker stuck past its watchdog.
 RESUME_S = 10.0
 
