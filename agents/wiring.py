@@ -358,6 +358,7 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
         compression=settings.producer_compression,
         fetch_min_bytes=settings.fetch_min_bytes,
         fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
+        settle_s=settings.commit_settle_s,
     )
     stream.on_result = lambda result: metrics.transactions.labels(result).inc()
     stream.on_commit_seconds = metrics.commit_seconds.observe

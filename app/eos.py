@@ -82,6 +82,10 @@ COMMIT_RETRIES = 3
 #: the whole bound before anything else could go on (RELIABILITY.md).
 OFFSETS_HUNG_S = 2.0
 
+#: How long after a commit the next transaction's first records wait (see
+#: ``ExactlyOnce.__init__``'s ``settle_s``).
+SETTLE_S = 0.003
+
 #: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
 JOIN_POLL_S = 0.1
 
@@ -157,6 +161,7 @@ class ExactlyOnce:
         compression: str = "none",
         fetch_min_bytes: int = 1,
         fetch_max_wait_ms: int = 100,
+        settle_s: float = SETTLE_S,
         consumer_factory: Callable[[dict[str, object]], Any] | None = None,
         producer_factory: Callable[[dict[str, object]], Any] | None = None,
     ) -> None:
@@ -196,6 +201,22 @@ class ExactlyOnce:
             # A lost transactional request is retried after this, not the 100 ms default.
             "retry.backoff.ms": 20,
         }
+        # NOTE: a transaction's first produce registers its partitions with the
+        # coordinator (AddPartitionsToTxn). Sent while the coordinator is still
+        # completing the previous transaction (EndTxn is answered once the
+        # commit is decided; its markers are written after), it is refused
+        # CONCURRENT_TRANSACTIONS, and librdkafka tries again after a fixed 20
+        # ms (rdkafka_txnmgr.c, not configurable): the whole next transaction,
+        # and every decision in it, waits 20 ms more. Back to back on the local
+        # broker that happened to nearly every transaction (p50 23-28 ms a
+        # transaction against 4-5 ms with a 2-5 ms pause: docs/performance.md).
+        # So a transaction begun within ``settle_s`` of the last commit's end
+        # waits out the rest of it first. The loop scores the next batch while
+        # a commit runs, so at most rates the pause has passed by the time the
+        # batch is sent.
+        self.settle_s = settle_s
+        self._committed_at = -settle_s
+        self._sleep: Callable[[float], None] = time.sleep
         self._consumer_factory = consumer_factory or (lambda c: _kafka().Consumer(c))
         self._producer_factory = producer_factory or (lambda c: _kafka().Producer(c))
         # One thread: librdkafka's blocking calls, in the order they were made.
@@ -384,6 +405,9 @@ class ExactlyOnce:
         producer = self._producer
         try:
             if self._txn is None:
+                pause = self._committed_at + self.settle_s - time.monotonic()
+                if pause > 0:
+                    self._sleep(pause)
                 producer.begin_transaction()
                 self._seq += 1
                 self._txn = _OpenTransaction(self._seq, self.generation, time.monotonic())
@@ -457,6 +481,7 @@ class ExactlyOnce:
         return settled
 
     def _settle(self, txn: _OpenTransaction, outcome: str) -> None:
+        self._committed_at = time.monotonic()  # committed or aborted: its markers are being written
         if outcome == "fenced":
             log.warning("fenced from partitions %s: their new owner decides these records", sorted(txn.first))
         self._settled.append((txn.seq, outcome))

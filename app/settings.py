@@ -287,6 +287,14 @@ class Settings(BaseSettings):
     stays open ``commit_interval_s`` (fewer transactions at low rates, each
     decision waiting up to the interval longer)."""
 
+    commit_settle_s: float = 0.003
+    """How long after a commit the next transaction's first records wait
+    before they are produced (only what is left of it once the next batch is
+    scored). The coordinator is still writing the last transaction's markers
+    for a few ms after its commit is answered; a new transaction registering
+    its partitions meanwhile is refused and librdkafka tries again only 20 ms
+    later (app/eos.py). 0: no wait."""
+
     loop_stall_exit_s: float = 120.0
     """A scoring loop that has not finished a step in this long is stuck where
     no timeout reaches (every step's waits are bounded far below it): the

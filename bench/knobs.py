@@ -61,6 +61,12 @@ KNOBS: dict[str, dict[str, str]] = {
     "interval_only": {"FRAUD_BATCH_WINDOW_S": "0.01", "FRAUD_COMMIT_CAUGHT_UP": "false"},
     # Two processes in one group (4 partitions each): the other core, shared
     # with the broker, Redis and the load generator.
+    # The pause between a commit and the next transaction's first records
+    # (app/eos.py: the coordinator refuses a new transaction's partitions while
+    # it writes the last one's markers, and librdkafka retries 20 ms later).
+    "settle_0": {"FRAUD_COMMIT_SETTLE_S": "0"},
+    "settle_3ms": {"FRAUD_COMMIT_SETTLE_S": "0.003"},
+    "settle_6ms": {"FRAUD_COMMIT_SETTLE_S": "0.006"},
     # Scores from XGBoost instead of the compiled trees (models/compiled.py).
     "xgboost_trees": {"FRAUD_COMPILED_TREES": "false"},
     "compiled_trees": {"FRAUD_COMPILED_TREES": "true"},

@@ -10,7 +10,13 @@ them. Variants alternate in one run:
 - ``offsets``: as the worker does;
 - ``deliver_first``: the records delivered (``flush``) before the offsets go,
   so no AddPartitionsToTxn is in flight when AddOffsetsToTxn arrives;
-- ``no_offsets``: produce and commit only, for the offsets' share.
+- ``no_offsets``: produce and commit only, for the offsets' share;
+- ``settled``: as ``offsets``, each transaction begun ``SETTLE_S`` after the
+  last commit ended, as app/eos.py begins them. Back to back (the other
+  three), the next transaction's requests reach the coordinator while it
+  still writes the last one's markers, and are refused
+  CONCURRENT_TRANSACTIONS (counted here from librdkafka's ``eos`` debug log):
+  librdkafka asks again 20 ms later.
 
 Why: a batch that commits on its own pays this whole cost, so it bounds what
 fewer transactions save (docs/performance.md).
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import tempfile
 import time
@@ -27,12 +34,32 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from app.eos import SETTLE_S
 from bench.workers import services
 
-VARIANTS = ("offsets", "deliver_first", "no_offsets")
+
+class _Refusals(logging.Handler):
+    """Counts the coordinator's CONCURRENT_TRANSACTIONS answers in librdkafka's debug log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "CONCURRENT_TRANSACTIONS" in record.getMessage():
+            self.count += 1
+
+
+REFUSALS = _Refusals()
+
+VARIANTS = ("offsets", "deliver_first", "no_offsets", "settled")
 
 
 def _clients(bootstrap: str, backoff_ms: int) -> tuple[Any, Any, str]:
+    rdkafka_log = logging.getLogger("bench.transaction.rdkafka")
+    rdkafka_log.propagate = False
+    rdkafka_log.setLevel(logging.DEBUG)
+    rdkafka_log.addHandler(REFUSALS)
     from confluent_kafka import Consumer, Producer
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic  # where it is defined: confluent_kafka.admin does not export it
@@ -53,7 +80,7 @@ def _clients(bootstrap: str, backoff_ms: int) -> tuple[Any, Any, str]:
         consumer.poll(0.2)
     producer = Producer(
         {**base, "transactional.id": tag, "enable.idempotence": True, "acks": "all", "linger.ms": 2,
-         "retry.backoff.ms": backoff_ms}
+         "retry.backoff.ms": backoff_ms, "debug": "eos", "logger": rdkafka_log}
     )  # fmt: skip
     producer.init_transactions(60)
     return producer, consumer, tag
@@ -62,6 +89,8 @@ def _clients(bootstrap: str, backoff_ms: int) -> tuple[Any, Any, str]:
 def _one(producer: Any, consumer: Any, tag: str, variant: str) -> tuple[float, float]:
     from confluent_kafka import TopicPartition
 
+    if variant == "settled":
+        time.sleep(SETTLE_S)  # the last call ended with its commit
     producer.begin_transaction()
     for i in range(3):
         producer.produce(f"{tag}-out", b"y" * 600, str(i).encode())
@@ -93,6 +122,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for variant in VARIANTS:
                 offsets_s, commit_s = [], []
+                REFUSALS.count = 0
                 cpu = time.process_time()
                 wall = time.perf_counter()
                 for _ in range(args.transactions):
@@ -106,6 +136,7 @@ def main() -> None:
                     "wall_ms_per_txn": round((time.perf_counter() - wall) * 1000 / n, 2),
                     "offsets_p50_ms": round(statistics.median(offsets_s) * 1000, 2),
                     "commit_p50_ms": round(statistics.median(commit_s) * 1000, 2),
+                    "concurrent_transactions_refusals": REFUSALS.count,
                 }  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)

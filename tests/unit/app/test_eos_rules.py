@@ -154,6 +154,36 @@ def test_a_commit_with_nothing_open_settles_nothing() -> None:
     assert kafka.events("commit") == []
 
 
+def test_a_transaction_begun_right_after_a_commit_waits_for_the_coordinator_to_settle_it() -> None:
+    """The first records of the transaction after a commit wait out what is
+    left of ``settle_s`` (the coordinator would refuse their partitions while
+    it completes the last one, and librdkafka asks again only 20 ms later);
+    the first transaction, and later batches of the same transaction, do not."""
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        s.settle_s = 60.0
+        pauses: list[float] = []
+        s._sleep = pauses.append
+        first = await take(s)
+        await s.send(first, echo(first))
+        assert pauses == []  # nothing committed before it
+        await s.commit()
+        fill(kafka, 0, 2)
+        second = await take(s)
+        await s.send(second, echo(second))
+        assert len(pauses) == 1 and 59.0 < pauses[0] <= 60.0
+        fill(kafka, 1, 2)
+        third = await take(s)
+        await s.send(third, echo(third))  # the same transaction: no pause
+        assert len(pauses) == 1
+        assert [o for _, o in await s.commit()] == ["committed"]
+
+    run(kafka, body)
+    assert sorted(seen(kafka)) == sorted([b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4", b"p1-0", b"p1-1"])
+
+
 # --- transactions that fail ---------------------------------------------------------------------
 
 
