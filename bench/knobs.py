@@ -72,6 +72,8 @@ KNOBS: dict[str, dict[str, str]] = {
     "compiled_trees": {"FRAUD_COMPILED_TREES": "true"},
     "workers_2": {},
     "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
+    # The worker of another checkout (``--base``: the code before a change), with the same settings.
+    "base": {},
 }
 WORKERS = {"workers_2": 2, "workers_2_score": 2}
 
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/knobs.json"))
     parser.add_argument("--label", help="tag the rows (e.g. the code version in an A/B)")
     parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
+    parser.add_argument("--base", help="another checkout of this project: the worker of the knob 'base'")
     args = parser.parse_args()
     phase = Phase(warmup_s=args.warmup, measure_s=args.seconds, drain_s=15.0)
     rows: list[dict[str, Any]] = []
@@ -103,6 +106,10 @@ def main() -> None:
             saved = {k: os.environ.get(k) for k in KNOBS[name]}
             os.environ.update(KNOBS[name])
             variant = BATCHED
+            if name == "base":
+                if not args.base:
+                    parser.error("the knob 'base' needs --base CHECKOUT")
+                variant = replace(variant, checkout=str(Path(args.base).resolve()))
             if "FRAUD_BATCH_WINDOW_S" in KNOBS[name]:  # the variant's own would win
                 variant = replace(variant, batch_window_s=float(KNOBS[name]["FRAUD_BATCH_WINDOW_S"]))
             if "FRAUD_BATCH_SIZE" in KNOBS[name]:
