@@ -82,10 +82,6 @@ COMMIT_RETRIES = 3
 #: the whole bound before anything else could go on (RELIABILITY.md).
 OFFSETS_HUNG_S = 2.0
 
-#: How long after a commit the next transaction's first records wait (see
-#: ``ExactlyOnce.__init__``'s ``settle_s``).
-SETTLE_S = 0.003
-
 #: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
 JOIN_POLL_S = 0.1
 
@@ -161,7 +157,7 @@ class ExactlyOnce:
         compression: str = "none",
         fetch_min_bytes: int = 1,
         fetch_max_wait_ms: int = 100,
-        settle_s: float = SETTLE_S,
+        settle_s: float = 0.0,
         consumer_factory: Callable[[dict[str, object]], Any] | None = None,
         producer_factory: Callable[[dict[str, object]], Any] | None = None,
     ) -> None:
@@ -201,21 +197,22 @@ class ExactlyOnce:
             # A lost transactional request is retried after this, not the 100 ms default.
             "retry.backoff.ms": 20,
         }
-        # NOTE: a transaction's first produce registers its partitions with the
-        # coordinator (AddPartitionsToTxn). Sent while the coordinator is still
-        # completing the previous transaction (EndTxn is answered once the
-        # commit is decided; its markers are written after), it is refused
-        # CONCURRENT_TRANSACTIONS, and librdkafka tries again after a fixed 20
-        # ms (rdkafka_txnmgr.c, not configurable): the whole next transaction,
-        # and every decision in it, waits 20 ms more. Back to back on the local
-        # broker that happened to nearly every transaction (p50 23-28 ms a
-        # transaction against 4-5 ms with a 2-5 ms pause: docs/performance.md).
-        # So a transaction begun within ``settle_s`` of the last commit's end
-        # waits out the rest of it first. The loop scores the next batch while
+        # NOTE: a transaction's requests to the coordinator (AddPartitionsToTxn
+        # on its first produce, AddOffsetsToTxn at its commit), sent while the
+        # coordinator is still completing the previous transaction (EndTxn is
+        # answered once the commit is decided; its markers are written after),
+        # are refused CONCURRENT_TRANSACTIONS, and librdkafka tries again 20 ms
+        # later (fixed for the partitions, rdkafka_txnmgr.c; retry.backoff.ms
+        # for the offsets): the whole transaction, and every decision in it,
+        # waits 20 ms more. Back to back on the local broker that happened to
+        # nearly every transaction (23-28 ms a transaction against 7.6-8.5 ms,
+        # a 3 ms pause included: python -m bench.transaction, docs/performance.md).
+        # So a transaction begun within ``settle_s`` (the worker's
+        # FRAUD_COMMIT_SETTLE_S) of the last commit's end waits out the rest of it first. The loop scores the next batch while
         # a commit runs, so at most rates the pause has passed by the time the
         # batch is sent.
         self.settle_s = settle_s
-        self._committed_at = -settle_s
+        self._committed_at = float("-inf")  # no commit yet: no pause
         self._sleep: Callable[[float], None] = time.sleep
         self._consumer_factory = consumer_factory or (lambda c: _kafka().Consumer(c))
         self._producer_factory = producer_factory or (lambda c: _kafka().Producer(c))

@@ -291,9 +291,9 @@ class Settings(BaseSettings):
     """How long after a commit the next transaction's first records wait
     before they are produced (only what is left of it once the next batch is
     scored). The coordinator is still writing the last transaction's markers
-    for a few ms after its commit is answered; a new transaction registering
-    its partitions meanwhile is refused and librdkafka tries again only 20 ms
-    later (app/eos.py). 0: no wait."""
+    for a few ms after its commit is answered; a new transaction's requests
+    meanwhile are refused and librdkafka tries again only 20 ms later
+    (app/eos.py). 0: no wait."""
 
     loop_stall_exit_s: float = 120.0
     """A scoring loop that has not finished a step in this long is stuck where

@@ -59,10 +59,8 @@ KNOBS: dict[str, dict[str, str]] = {
     # Kafka Streams' pacing: a 10 ms window and every transaction open its whole
     # interval, instead of committing as soon as the worker has caught up (agents/pace.py).
     "interval_only": {"FRAUD_BATCH_WINDOW_S": "0.01", "FRAUD_COMMIT_CAUGHT_UP": "false"},
-    # Two processes in one group (4 partitions each): the other core, shared
-    # with the broker, Redis and the load generator.
     # The pause between a commit and the next transaction's first records
-    # (app/eos.py: the coordinator refuses a new transaction's partitions while
+    # (app/eos.py: the coordinator refuses a new transaction's requests while
     # it writes the last one's markers, and librdkafka retries 20 ms later).
     "settle_0": {"FRAUD_COMMIT_SETTLE_S": "0"},
     "settle_3ms": {"FRAUD_COMMIT_SETTLE_S": "0.003"},
@@ -70,6 +68,8 @@ KNOBS: dict[str, dict[str, str]] = {
     # Scores from XGBoost instead of the compiled trees (models/compiled.py).
     "xgboost_trees": {"FRAUD_COMPILED_TREES": "false"},
     "compiled_trees": {"FRAUD_COMPILED_TREES": "true"},
+    # Two processes in one group (4 partitions each): the other core, shared
+    # with the broker, Redis and the load generator.
     "workers_2": {},
     "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
     # The worker of another checkout (``--base``: the code before a change), with the same settings.

@@ -8,11 +8,11 @@ with a consumer's group metadata, ``commit_transaction``, as app/eos.py makes
 them. Variants alternate in one run:
 
 - ``offsets``: as the worker does;
-- ``deliver_first``: the records delivered (``flush``) before the offsets go,
-  so no AddPartitionsToTxn is in flight when AddOffsetsToTxn arrives;
+- ``deliver_first``: the records delivered (``flush``) before the offsets go
+  (the flush's round trip is a pause before AddOffsetsToTxn);
 - ``no_offsets``: produce and commit only, for the offsets' share;
-- ``settled``: as ``offsets``, each transaction begun ``SETTLE_S`` after the
-  last commit ended, as app/eos.py begins them. Back to back (the other
+- ``settled``: as ``offsets``, each transaction begun ``FRAUD_COMMIT_SETTLE_S``
+  (its default) after the last commit ended, as app/eos.py begins them. Back to back (the other
   three), the next transaction's requests reach the coordinator while it
   still writes the last one's markers, and are refused
   CONCURRENT_TRANSACTIONS (counted here from librdkafka's ``eos`` debug log):
@@ -34,8 +34,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from app.eos import SETTLE_S
+from app.settings import Settings
 from bench.workers import services
+
+#: The worker's default pause after a commit (app/eos.py).
+SETTLE_S: float = Settings.model_fields["commit_settle_s"].default
 
 
 class _Refusals(logging.Handler):
