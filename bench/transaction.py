@@ -11,12 +11,17 @@ them. Variants alternate in one run:
 - ``deliver_first``: the records delivered (``flush``) before the offsets go
   (the flush's round trip is a pause before AddOffsetsToTxn);
 - ``no_offsets``: produce and commit only, for the offsets' share;
-- ``settled``: as ``offsets``, each transaction begun ``FRAUD_COMMIT_SETTLE_S``
-  (its default) after the last commit ended, as app/eos.py begins them. Back to back (the other
+- ``settled``: as ``offsets``, each transaction begun 3 ms after the last
+  commit ended (``FRAUD_COMMIT_SETTLE_S``). Back to back (the other
   three), the next transaction's requests reach the coordinator while it
   still writes the last one's markers, and are refused
   CONCURRENT_TRANSACTIONS (counted here from librdkafka's ``eos`` debug log):
-  librdkafka asks again 20 ms later.
+  librdkafka asks again 20 ms later;
+- ``offsets_first``: as app/eos.py makes them now, back to back: the offsets
+  added before the records (the transaction's first request to the
+  coordinator is AddOffsetsToTxn, retried after ``retry.backoff.ms``; records
+  first make it AddPartitionsToTxn, retried only 20 ms later), and again
+  before the commit.
 
 Why: a batch that commits on its own pays this whole cost, so it bounds what
 fewer transactions save (docs/performance.md).
@@ -34,11 +39,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from app.settings import Settings
 from bench.workers import services
 
-#: The worker's default pause after a commit (app/eos.py).
-SETTLE_S: float = Settings.model_fields["commit_settle_s"].default
+#: The pause after a commit the ``settled`` variant measures: the worker's
+#: default before its transactions added their offsets first (FRAUD_COMMIT_SETTLE_S).
+SETTLE_S = 0.003
 
 
 class _Refusals(logging.Handler):
@@ -49,13 +54,15 @@ class _Refusals(logging.Handler):
         self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "CONCURRENT_TRANSACTIONS" in record.getMessage():
+        # AddOffsetsToTxn's answer is logged by its name, AddPartitionsToTxn's by its text.
+        text = record.getMessage()
+        if "CONCURRENT_TRANSACTIONS" in text or "another concurrent operation" in text:
             self.count += 1
 
 
 REFUSALS = _Refusals()
 
-VARIANTS = ("offsets", "deliver_first", "no_offsets", "settled")
+VARIANTS = ("offsets", "deliver_first", "no_offsets", "settled", "offsets_first")
 
 
 def _clients(bootstrap: str, backoff_ms: int) -> tuple[Any, Any, str]:
@@ -95,6 +102,10 @@ def _one(producer: Any, consumer: Any, tag: str, variant: str) -> tuple[float, f
     if variant == "settled":
         time.sleep(SETTLE_S)  # the last call ended with its commit
     producer.begin_transaction()
+    if variant == "offsets_first":
+        producer.send_offsets_to_transaction(
+            [TopicPartition(f"{tag}-in", 0, 1)], consumer.consumer_group_metadata(), 10
+        )
     for i in range(3):
         producer.produce(f"{tag}-out", b"y" * 600, str(i).encode())
     started = time.perf_counter()
@@ -114,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transactions", type=int, default=200, help="per variant and round")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--backoff-ms", type=int, default=20, help="the producer's retry.backoff.ms (app/eos.py: 20)")
+    parser.add_argument("--backoff-ms", type=int, default=2, help="the producer's retry.backoff.ms (app/eos.py: 2)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/transaction.json"))
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
