@@ -446,12 +446,12 @@ class ExactlyOnce:
             self._settle(txn, self._recover(txn, exc.args[0] if exc.args else None))
             return txn.seq
         except FutureTimeout:
-            txn = self._txn
-            assert txn is not None  # only the offsets of a transaction just begun are sent here
-            txn.add(batch)
+            begun = self._txn
+            assert begun is not None  # only the offsets of a transaction just begun are sent here
+            begun.add(batch)
             self._txn = None
-            self._settle(txn, self._offsets_hung(txn))
-            return txn.seq
+            self._settle(begun, self._offsets_hung(begun))
+            return begun.seq
         self._txn.add(batch)
         return self._txn.seq
 
