@@ -208,9 +208,9 @@ class ExactlyOnce:
         # nearly every transaction (23-28 ms a transaction against 7.6-8.5 ms,
         # a 3 ms pause included: python -m bench.transaction, docs/performance.md).
         # So a transaction begun within ``settle_s`` (the worker's
-        # FRAUD_COMMIT_SETTLE_S) of the last commit's end waits out the rest of it first. The loop scores the next batch while
-        # a commit runs, so at most rates the pause has passed by the time the
-        # batch is sent.
+        # FRAUD_COMMIT_SETTLE_S) of the last commit's end waits out the rest of
+        # it first. The loop scores the next batch while a commit runs, so at
+        # most rates the pause has passed by the time the batch is sent.
         self.settle_s = settle_s
         self._committed_at = float("-inf")  # no commit yet: no pause
         self._sleep: Callable[[float], None] = time.sleep

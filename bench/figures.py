@@ -22,6 +22,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.criteria import THRESHOLDS_MS
+from bench.verdicts import passes
+
 __all__ = [
     "BLOCKS",
     "DOCS",
@@ -69,13 +72,10 @@ def _first_run(doc: Mapping[str, Any], variant: str, offered_tps: float) -> Mapp
 
 
 def _held_run(doc: Mapping[str, Any], variant: str, offered_tps: float) -> Mapping[str, Any] | None:
-    """The run of ``variant`` at its knee ``offered_tps`` that held p99 under 200 ms
-    (a repeat, when the first run there did not), else the first."""
-    runs: list[Mapping[str, Any]] = [r for r in doc["runs"] if r["variant"] == variant and r["offered_tps"] == offered_tps]
-    held = [r for r in runs if r.get("p99_ms") is not None and r["p99_ms"] < 200.0]
-    if held:
-        return held[0]
-    return runs[0] if runs else None
+    """The run of ``variant`` at its knee ``offered_tps`` that passed the search's
+    own verdict (a repeat, when the first run there did not), else the first."""
+    runs = [r for r in doc["runs"] if r["variant"] == variant and r["offered_tps"] == offered_tps]
+    return next((r for r in runs if passes(r, THRESHOLDS_MS[0])), runs[0] if runs else None)
 
 
 def _rate_row(doc: Mapping[str, Any], variant: str, offered_tps: float) -> Mapping[str, Any] | None:
