@@ -82,6 +82,17 @@ COMMIT_RETRIES = 3
 #: the whole bound before anything else could go on (RELIABILITY.md).
 OFFSETS_HUNG_S = 2.0
 
+#: How long :meth:`ExactlyOnce._committed_now` keeps asking the group for the
+#: committed offsets of a transaction whose commit failed without saying
+#: whether it committed, and how often. Until they are read, nothing of those
+#: partitions is taken: a guess either way decides records twice (the
+#: transaction did commit) or skips them (it did not). 60 s, as long as a new
+#: producer is waited for (``_replace_producer``); past it the call raises and
+#: the worker exits (agents/wiring.py), to be restarted: its partitions' next
+#: owner reads their committed offsets as the client's assignment does.
+COMMITTED_READ_FOR_S = 60.0
+COMMITTED_READ_EVERY_S = 0.5
+
 #: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
 JOIN_POLL_S = 0.1
 
@@ -566,11 +577,9 @@ class ExactlyOnce:
         if kept and txn.generation == self.generation:
             committed = {p: -1 for p in kept}  # nothing committed: each goes back to its first offset
             if may_have_committed:
-                try:
-                    tps = [kafka.TopicPartition(self.topic, p) for p in kept]
-                    committed = {tp.partition: tp.offset for tp in self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)}
-                except kafka.KafkaException as exc:
-                    log.warning("reading committed offsets failed (%s): going back to the first offsets sent", exc)
+                # NOTE: never the first offsets instead: if it did commit, its
+                # records would be taken again and answered twice.
+                committed = self._committed_now(kept)
             # No committed offset (negative): the transaction's first offset is where it starts.
             rewound = {p: o if o >= 0 else txn.first[p] for p, o in committed.items()}
             if may_have_committed:
@@ -583,6 +592,39 @@ class ExactlyOnce:
         self.generation += 1
         fenced = err is not None and err.code() in _fencing_codes()
         return "fenced" if fenced else "aborted"
+
+    def _committed_now(self, partitions: list[int]) -> dict[int, int]:
+        """The group's committed offset of each of ``partitions``, read with
+        ``require_stable`` (librdkafka asks so under ``read_committed``) once
+        every transaction of theirs has ended: asked again until each partition
+        answers without an error, for up to ``COMMITTED_READ_FOR_S``.
+
+        NOTE: librdkafka's ``committed()`` can return without raising while a
+        partition's answer is an error: ``UNSTABLE_OFFSET_COMMIT`` (its
+        transaction's markers not yet written, as just after a broker
+        restarted) once the request's own retries ran out, with the offset
+        ``OFFSET_INVALID``, which reads like "nothing committed". Each
+        partition's error is checked.
+        """
+        kafka = _kafka()
+        deadline = time.monotonic() + COMMITTED_READ_FOR_S
+        while True:
+            try:
+                tps = [kafka.TopicPartition(self.topic, p) for p in partitions]
+                answer = self._consumer.committed(tps, TXN_CALL_TIMEOUT_S)
+                failed = [tp for tp in answer if tp.error is not None]
+                if not failed:
+                    return {tp.partition: tp.offset for tp in answer}
+                why: object = f"partition {failed[0].partition}: {failed[0].error}"
+            except kafka.KafkaException as exc:
+                why = exc
+            if time.monotonic() > deadline:
+                raise kafka.KafkaException(
+                    f"the committed offsets of partitions {sorted(partitions)} after a commit whose outcome is "
+                    f"unknown could not be read in {COMMITTED_READ_FOR_S:.0f} s ({why})"
+                )
+            log.warning("reading the committed offsets of partitions %s: %s; trying again", sorted(partitions), why)
+            self._sleep(COMMITTED_READ_EVERY_S)
 
     def _replace_producer(self) -> None:
         kafka = _kafka()

@@ -46,6 +46,17 @@ def error(code: int, *, fatal: bool = False, retriable: bool = False, abortable:
 
 
 @dataclass(frozen=True)
+class _Answer:
+    """One partition of a ``committed()`` answer that carries an error
+    (confluent_kafka's TopicPartition cannot be given one)."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: KafkaError | None
+
+
+@dataclass(frozen=True)
 class GroupMetadata:
     """What ``consumer_group_metadata()`` returns: opaque to the caller, read by the coordinator."""
 
@@ -99,7 +110,14 @@ class FakeKafka:
         #: any timeout: librdkafka's behaviour with its group coordinator lost.
         self.offsets_hang: threading.Event | None = None
         self.commit_errors: list[KafkaError] = []
+        #: Commits that are made, after which the call raises this error all the
+        #: same: the coordinator's answer lost (a broker killed meanwhile).
+        self.commit_answers_lost: list[KafkaError] = []
         self.committed_errors: list[KafkaError] = []
+        #: Reads of the committed offsets answered, per partition, with this error
+        #: and ``OFFSET_INVALID`` (not raised: librdkafka's ``committed()`` once its
+        #: own retries of an UNSTABLE_OFFSET_COMMIT answer ran out).
+        self.committed_partition_errors: list[KafkaError] = []
         #: Reads of the group's committed offsets (a round trip to its coordinator).
         self.committed_reads = 0
         self.producers: list[FakeProducer] = []
@@ -259,10 +277,13 @@ class FakeConsumer:
         self.positions[partition.partition] = partition.offset
         self.seeks.append((partition.partition, partition.offset))
 
-    def committed(self, partitions: list[TopicPartition], timeout: float | None = None) -> list[TopicPartition]:
+    def committed(self, partitions: list[TopicPartition], timeout: float | None = None) -> list[Any]:
         self.kafka.committed_reads += 1
         if self.kafka.committed_errors:
             raise KafkaException(self.kafka.committed_errors.pop(0))
+        if self.kafka.committed_partition_errors:
+            err = self.kafka.committed_partition_errors.pop(0)
+            return [_Answer(tp.topic, tp.partition, OFFSET_INVALID, err) for tp in partitions]
         return [
             TopicPartition(tp.topic, tp.partition, self.kafka.offsets.get((self.group, tp.topic, tp.partition),
                                                                           OFFSET_INVALID))
@@ -391,6 +412,11 @@ class FakeProducer:
         )
         self.txn = None
         self.kafka.open.pop(self.id, None)
+        if self.kafka.commit_answers_lost:
+            err = self.kafka.commit_answers_lost.pop(0)
+            if err.fatal():
+                self.fatal = err
+            raise KafkaException(err)
 
     def abort_transaction(self, timeout: float | None = None) -> None:
         self._usable()

@@ -618,6 +618,30 @@ def lost_detail(t: Tally, committed: dict[int, int | None] | None = None) -> str
     return text
 
 
+def duplicate_detail(collector: Collector, t: Tally, messages: Sequence[Msg], limit: int = 8) -> str:
+    """Where the doubled transactions were and how their decisions differ (for a
+    failure's message): the input partition and offset, and per decision when it
+    was decided and read. One ``decided_at`` shared by both: the second is the
+    first one answered again (a resend of a decided record); two: scored twice."""
+    if not t.duplicated:
+        return ""
+    rows, partitions = [], Counter()
+    same = 0
+    for m in messages:
+        ds = collector.by_tx.get(m.transaction_id or "", []) or collector.by_corr.get(m.correlation, [])
+        if len(ds) < 2:
+            continue
+        partitions[m.partition] += 1
+        same += len({d.get("decided_at") for d in ds}) == 1
+        if len(rows) < limit:
+            times = ", ".join(f"decided {float(d['decided_at']):.3f} read {d['_seen_at']:.3f}" for d in ds)
+            rows.append(f"p{m.partition}@{m.offset} {m.transaction_id}: {times}")
+    return (
+        f"duplicated {t.duplicated} (input partitions {dict(sorted(partitions.items(), key=str))}; "
+        f"{same} with one decided_at): " + "; ".join(rows)
+    )
+
+
 async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
     """Whether ``ids`` are on the decision and dead-letter topics, read again
     from offset 0 by a fresh consumer: tells a worker that never produced them

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from app import eos
 from app.eos import COMMIT_RETRIES, ExactlyOnce, TakenBatch
 from tests.kafka_fakes import FakeConsumer, FakeKafka, error
 
@@ -376,6 +377,63 @@ def test_a_commit_that_keeps_failing_retriably_gives_up_and_nothing_is_visible()
     run(kafka, body)
     # The outcome was unknown: a new producer (its new epoch aborts what the old one left open).
     assert len(kafka.producers) == 2 and kafka.events("init")[-1][3] is True
+
+
+@pytest.mark.parametrize("answer", ["raised", "per partition"])
+def test_a_commit_whose_answer_was_lost_goes_on_after_what_it_committed_once_the_group_can_say(answer: str) -> None:
+    """The commit went through, but the call failed (the broker was lost before
+    it answered). Until the group's offsets are stable (its markers written),
+    reading them fails, or librdkafka answers a partition with an error and no
+    offset, which must not read as "nothing committed": the records would be
+    taken again and decided twice."""
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        s._sleep = lambda _s: None
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        kafka.commit_answers_lost.append(error(KafkaError._TRANSPORT))
+        unstable = error(KafkaError.UNSTABLE_OFFSET_COMMIT, retriable=True)
+        if answer == "raised":
+            kafka.committed_errors.extend([error(KafkaError._TIMED_OUT, retriable=True)] * 2)
+        else:
+            kafka.committed_partition_errors.extend([unstable] * 2)
+        assert await s.commit() == [(1, "aborted")]  # as far as the worker could tell
+        assert kafka.committed_reads == 3
+        assert consumer_of(kafka, s).seeks == [(0, 3)]  # after what committed, not back to its first offset
+        assert taken(await take(s)) == []
+        fill(kafka, 0, 1)
+        again = await take(s)
+        assert taken(again) == [(0, 3)]
+        await s.send(again, echo(again))
+        assert await s.commit() == [(2, "committed")]
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3"]  # each once
+    assert kafka.committed(GROUP, TOPIC) == {0: 4}
+
+
+def test_a_commit_whose_outcome_cannot_be_learned_stops_the_worker_rather_than_guess(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Neither going back to the transaction's first offsets (doubles what
+    committed) nor going on (skips what did not): the commit raises, and the
+    worker exits to be restarted (agents/wiring.py)."""
+    monkeypatch.setattr(eos, "COMMITTED_READ_FOR_S", 0.0)
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+
+    async def body(s: ExactlyOnce) -> None:
+        batch = await take(s)
+        await s.send(batch, echo(batch))
+        kafka.commit_answers_lost.append(error(KafkaError._TRANSPORT))
+        kafka.committed_partition_errors.append(error(KafkaError.UNSTABLE_OFFSET_COMMIT, retriable=True))
+        with pytest.raises(KafkaException, match="could not be read"):
+            await s.commit()
+        assert consumer_of(kafka, s).seeks == []
+
+    run(kafka, body)
 
 
 def test_a_produce_error_ends_the_transaction_aborted() -> None:
