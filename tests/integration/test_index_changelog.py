@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -115,6 +116,41 @@ def test_a_restore_waits_for_a_transaction_open_when_it_began(kafka_bootstrap: s
     worker.join(30.0)
     assert finished and finished[0] >= committed_at
     assert _found(restore.index, before + late) == [True] * 6
+    restore.index.close()
+
+
+def test_a_transaction_open_past_any_live_ones_life_ends_the_restore_where_it_holds_the_partition(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A transaction the broker never ends (its markers never written, as after
+    the only broker was killed and restarted) would hold the restore forever:
+    past the bound it ends at the last stable offset, with what committed before
+    it, says so, and restores the rest once the transaction ends."""
+    topic = f"idx-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    producer = _producer(kafka_bootstrap, f"{topic}-w1")
+    before, held = [_tx(i) for i in range(3)], [_tx(i) for i in range(3, 6)]
+    producer.begin_transaction()
+    _write(producer, topic, 0, before)
+    producer.commit_transaction(10.0)
+    producer.begin_transaction()
+    _write(producer, topic, 0, held)
+    producer.flush(10.0)  # on the broker, never ended while the restore waits
+
+    restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    restore.hanging_after_s = 2.0  # the product's bound is 30 s (app/changelog.py): the same rule, sooner
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="app.changelog"):
+        restore({0})
+    took = time.monotonic() - started
+    assert 2.0 <= took < 8.0
+    assert _found(restore.index, before) == [True] * 3
+    assert _found(restore.index, held) == [False] * 3
+    assert any("hanging transaction" in r.getMessage() and "offset 4" in r.getMessage() for r in caplog.records)
+
+    producer.commit_transaction(10.0)  # ended at last (an operator's abort would end it too)
+    restore({0})  # from where the last restore stopped
+    assert _found(restore.index, before + held) == [True] * 6
     restore.index.close()
 
 

@@ -44,7 +44,7 @@ The package, one module per concern (each imports only those above it)::
 """
 
 from app.errors import StackError
-from tools.stack.broker import start_broker
+from tools.stack.broker import skipped_markers, start_broker
 from tools.stack.cli import main
 from tools.stack.lifecycle import stack_down, stack_status, stack_up
 from tools.stack.ports import DEFAULT_BROKER_PORT, DEFAULT_REDIS_PORT, free_port, free_ports
@@ -69,6 +69,7 @@ __all__ = [
     "read_pid",
     "redis_password_path",
     "role_env",
+    "skipped_markers",
     "stack_down",
     "stack_status",
     "stack_up",
