@@ -331,6 +331,19 @@ class ExactlyOnce:
         numbers = {tp.partition for tp in partitions}
         # Before returning: the client starts fetching these partitions after it.
         self.restore(numbers)
+        # NOTE: each partition starts where the group committed, read here with
+        # require_stable until no transaction holds it (_committed_now), and
+        # assigned with that offset: the client's own fetch of it is not used.
+        # librdkafka (2.16) puts a partition whose answer was
+        # UNSTABLE_OFFSET_COMMIT back as "nothing committed" when the assignment
+        # changed meanwhile, and auto.offset.reset then started it from its
+        # beginning: every record decided again (RELIABILITY.md, known gap 5).
+        kafka = _kafka()
+        committed = self._committed_now(sorted(numbers)) if numbers else {}
+        consumer.incremental_assign([
+            kafka.TopicPartition(self.topic, p, o if (o := committed.get(p, -1)) >= 0 else kafka.OFFSET_BEGINNING)
+            for p in sorted(numbers)
+        ])
         for p in numbers:
             self._unsought.pop(p, None)  # fetched from the committed offset
         self.assigned |= numbers

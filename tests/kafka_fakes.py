@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, Message, TopicPartition
 
 __all__ = ["FakeConsumer", "FakeKafka", "FakeProducer", "GroupMetadata", "error"]
 
@@ -120,6 +120,12 @@ class FakeKafka:
         self.committed_partition_errors: list[KafkaError] = []
         #: Reads of the group's committed offsets (a round trip to its coordinator).
         self.committed_reads = 0
+        #: Partitions whose committed offset the client itself does not learn at
+        #: their next assignment, as librdkafka 2.16 when the answer was
+        #: UNSTABLE_OFFSET_COMMIT while the assignment changed: it starts them by
+        #: ``auto.offset.reset`` (earliest) unless the application assigns them
+        #: with an offset inside its callback.
+        self.positions_lost: set[int] = set()
         self.producers: list[FakeProducer] = []
         self.consumers: list[FakeConsumer] = []
         #: Incremental rebalancing (cooperative-sticky, the worker's assignor):
@@ -267,9 +273,19 @@ class FakeConsumer:
         added = sorted(new - keep)
         self.assigned = new
         for p in added:  # where the group committed, else the start (auto.offset.reset earliest)
-            self.positions[p] = self.kafka.offsets.get((self.group, self.topic, p), 0)
+            lost = p in self.kafka.positions_lost
+            self.kafka.positions_lost.discard(p)
+            self.positions[p] = 0 if lost else self.kafka.offsets.get((self.group, self.topic, p), 0)
         self.kafka.timeline.append(("assign", self.member_id, added))
         self._callbacks["assign"](self, [TopicPartition(self.topic, p) for p in added])
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        """Inside the assignment callback: these partitions start at the given
+        offsets (``OFFSET_BEGINNING``: the log's start), not where the client
+        would have started them."""
+        for tp in partitions:
+            assert tp.partition in self.assigned, "only what the group assigned"
+            self.positions[tp.partition] = 0 if tp.offset == OFFSET_BEGINNING else tp.offset
 
     def seek(self, partition: TopicPartition) -> None:
         if partition.partition not in self.assigned:

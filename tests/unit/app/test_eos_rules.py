@@ -67,6 +67,7 @@ def run(kafka: FakeKafka, body: Callable[..., Awaitable[Any]], workers: int = 1)
                 await s.start()
             for s in streams:
                 await joined(s)
+            kafka.committed_reads = 0  # counted from here: joining read each partition's start
             return await body(*streams)
         finally:
             for s in streams:
@@ -434,6 +435,35 @@ def test_a_commit_whose_outcome_cannot_be_learned_stops_the_worker_rather_than_g
         assert consumer_of(kafka, s).seeks == []
 
     run(kafka, body)
+
+
+def test_a_partition_assigned_again_starts_at_the_committed_offset_even_if_the_client_lost_it() -> None:
+    """librdkafka answered a new assignment's committed offset UNSTABLE (a killed
+    worker's transaction still held the offsets) while the assignment changed,
+    put the partition back as if the group had committed nothing, and
+    ``auto.offset.reset`` started it from offset 0: every record decided twice.
+    The worker assigns each partition with the offset it read itself, stable."""
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        s._sleep = lambda _s: None
+        first = await take(s)
+        await s.send(first, echo(first))
+        assert await s.commit() == [(1, "committed")]
+        fill(kafka, 0, 2)
+        kafka.positions_lost.add(0)
+        kafka.committed_partition_errors.append(error(KafkaError.UNSTABLE_OFFSET_COMMIT, retriable=True))
+        kafka.rebalance(GROUP, {consumer_of(kafka, s): {0, 1}})  # a new generation: partition 0 assigned again
+        assert taken(await take(s)) == []  # the rebalance, served inside consume
+        again = await take(s)
+        assert taken(again) == [(0, 3), (0, 4)]
+        await s.send(again, echo(again))
+        await s.commit()
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4"]  # each once
+    assert kafka.committed(GROUP, TOPIC) == {0: 5}
 
 
 def test_a_produce_error_ends_the_transaction_aborted() -> None:
