@@ -8,8 +8,8 @@ offsets carry the consumer group's metadata (generation and member id), so a
 worker that lost its partitions can no longer commit them: the coordinator
 refuses, the transaction aborts, and nothing it produced becomes visible. A
 partition's new owner reads the committed offsets with ``require_stable``
-(librdkafka does by default), so it starts exactly where the last committed
-transaction left the partition.
+(itself, in the assignment callback: :meth:`ExactlyOnce._assigned`), so it
+starts exactly where the last committed transaction left the partition.
 
 A transaction may span batches, as Kafka Streams' commit interval does:
 :meth:`ExactlyOnce.take` returns what the consumer has (up to ``max_records``,
