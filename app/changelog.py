@@ -24,9 +24,8 @@ kill left out of some partitions). Past ``HANGING_AFTER_S`` at the same last
 stable offset, the restore logs an error naming the partition and offset and
 ends there: the partition's records are decided from then on, its resend
 index short only of the entries behind the hanging transaction, instead of
-never. An operator
-aborts it with ``kafka-transactions.sh find-hanging`` and ``abort``
-(RELIABILITY.md).
+never. An operator aborts it with ``kafka-transactions.sh find-hanging`` and
+``abort`` (RELIABILITY.md).
 """
 
 from __future__ import annotations

@@ -82,14 +82,14 @@ COMMIT_RETRIES = 3
 #: the whole bound before anything else could go on (RELIABILITY.md).
 OFFSETS_HUNG_S = 2.0
 
-#: How long :meth:`ExactlyOnce._committed_now` keeps asking the group for the
-#: committed offsets of a transaction whose commit failed without saying
-#: whether it committed, and how often. Until they are read, nothing of those
-#: partitions is taken: a guess either way decides records twice (the
-#: transaction did commit) or skips them (it did not). 60 s, as long as a new
-#: producer is waited for (``_replace_producer``); past it the call raises and
-#: the worker exits (agents/wiring.py), to be restarted: its partitions' next
-#: owner reads their committed offsets as the client's assignment does.
+#: How long :meth:`ExactlyOnce._committed_now` keeps asking the group for
+#: committed offsets that are not yet stable (a newly assigned partition's, or
+#: those of a transaction whose commit failed without saying whether it
+#: committed), and how often. Until they are read, nothing of those partitions
+#: is taken: a guess decides records twice or skips them. 60 s, as long as a
+#: new producer is waited for (``_replace_producer``); past it the call raises
+#: and the worker exits (agents/wiring.py), to be restarted: its partitions'
+#: next owner reads their committed offsets the same way.
 COMMITTED_READ_FOR_S = 60.0
 COMMITTED_READ_EVERY_S = 0.5
 
@@ -633,8 +633,8 @@ class ExactlyOnce:
                 why = exc
             if time.monotonic() > deadline:
                 raise kafka.KafkaException(
-                    f"the committed offsets of partitions {sorted(partitions)} after a commit whose outcome is "
-                    f"unknown could not be read in {COMMITTED_READ_FOR_S:.0f} s ({why})"
+                    f"the committed offsets of partitions {sorted(partitions)} could not be read stable "
+                    f"in {COMMITTED_READ_FOR_S:.0f} s ({why})"
                 )
             log.warning("reading the committed offsets of partitions %s: %s; trying again", sorted(partitions), why)
             self._sleep(COMMITTED_READ_EVERY_S)

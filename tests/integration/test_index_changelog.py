@@ -91,19 +91,28 @@ def test_a_new_owner_restores_what_committed_and_nothing_else(kafka_bootstrap: s
     index.close()
 
 
+def _committed_then_open(
+    bootstrap: str, topic: str, committed: list[Transaction], open_: list[Transaction]
+) -> Producer:
+    """``committed`` written in a committed transaction, then ``open_`` in one
+    left open on the broker (the returned producer ends it)."""
+    producer = _producer(bootstrap, f"{topic}-w1")
+    producer.begin_transaction()
+    _write(producer, topic, 0, committed)
+    producer.commit_transaction(10.0)
+    producer.begin_transaction()
+    _write(producer, topic, 0, open_)
+    producer.flush(10.0)  # on the broker, not yet ended
+    return producer
+
+
 def test_a_restore_waits_for_a_transaction_open_when_it_began(kafka_bootstrap: str, tmp_path: Path) -> None:
     """The previous owner's commit lands a moment after the new owner began
     restoring: the restore ends after it, with its entries."""
     topic = f"idx-{uuid.uuid4().hex[:8]}"
     asyncio.run(_topic(kafka_bootstrap, topic))
-    producer = _producer(kafka_bootstrap, f"{topic}-w1")
     before, late = [_tx(i) for i in range(3)], [_tx(i) for i in range(3, 6)]
-    producer.begin_transaction()
-    _write(producer, topic, 0, before)
-    producer.commit_transaction(10.0)
-    producer.begin_transaction()
-    _write(producer, topic, 0, late)
-    producer.flush(10.0)  # on the broker, not yet committed
+    producer = _committed_then_open(kafka_bootstrap, topic, before, late)
 
     restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
     finished: list[float] = []
@@ -128,14 +137,8 @@ def test_a_transaction_open_past_any_live_ones_life_ends_the_restore_where_it_ho
     it, says so, and restores the rest once the transaction ends."""
     topic = f"idx-{uuid.uuid4().hex[:8]}"
     asyncio.run(_topic(kafka_bootstrap, topic))
-    producer = _producer(kafka_bootstrap, f"{topic}-w1")
     before, held = [_tx(i) for i in range(3)], [_tx(i) for i in range(3, 6)]
-    producer.begin_transaction()
-    _write(producer, topic, 0, before)
-    producer.commit_transaction(10.0)
-    producer.begin_transaction()
-    _write(producer, topic, 0, held)
-    producer.flush(10.0)  # on the broker, never ended while the restore waits
+    producer = _committed_then_open(kafka_bootstrap, topic, before, held)  # never ended while the restore waits
 
     restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
     restore.hanging_after_s = 2.0  # the product's bound is 30 s (app/changelog.py): the same rule, sooner

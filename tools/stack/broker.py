@@ -120,11 +120,12 @@ BROKER_CONFIG: dict[str, str] = {
     "broker.heartbeat.interval.ms": "500",
 }
 
-#: WARN and up, plus the server's start and stop lines, and the transaction
-#: marker sender's notes (rare: its queues, and transaction markers it skipped
-#: for a partition without a leader, which leave a hanging transaction on
-#: Kafka 4.4.0: RELIABILITY.md): the broker's log stays readable. Kafka 3.x logs through slf4j and reload4j (log4j 1 syntax); 4.x
-#: through log4j2 (:data:`BROKER_LOG4J2`, the same levels and line format).
+#: WARN and up, plus the server's start and stop lines and the transaction
+#: marker sender's notes (rare: its queues, and markers it skipped for a
+#: partition without a leader, which leave a hanging transaction on Kafka
+#: 4.4.0: RELIABILITY.md): the broker's log stays readable. Kafka 3.x logs
+#: through slf4j and reload4j (log4j 1 syntax); 4.x through log4j2
+#: (:data:`BROKER_LOG4J2`, the same levels and line format).
 BROKER_LOG4J = """\
 log4j.rootLogger=WARN, stdout
 log4j.appender.stdout=org.apache.log4j.ConsoleAppender
