@@ -28,6 +28,7 @@ from app.redis_keys import profile_key
 from app.settings import Settings
 from app.topics import topic_partitions
 from tools import cluster, kafka_secure, stack
+from tools.stack.ports import below_ephemeral
 
 pytestmark = [
     pytest.mark.integration,
@@ -39,8 +40,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _free_run(offsets: tuple[int, ...]) -> int:
     """A base port with ``base + o`` free for every offset (the CLI lays ports out from a base)."""
+    # Below the ephemeral range: a client connection of a parallel test could take a port in it.
+    low, high = below_ephemeral(max(offsets))
     for _ in range(200):
-        base = random.randrange(30000, 60000)
+        base = random.randrange(low, high)
         try:
             for offset in offsets:
                 with socket.socket() as s:

@@ -34,6 +34,13 @@ def _ephemeral_low() -> int:
         return _EPHEMERAL_LOW
 
 
+def below_ephemeral(span: int = 0) -> tuple[int, int]:
+    """(low, high): where ports are drawn from, below the kernel's ephemeral
+    range with room for ``span`` more ports above ``high`` (see :func:`free_ports`)."""
+    high = _ephemeral_low() - 2 - span
+    return max(1024, high - _PORT_SPAN), high
+
+
 def _probe(port: int) -> socket.socket | None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
