@@ -634,7 +634,9 @@ class ExactlyOnce:
             if time.monotonic() > deadline:
                 raise kafka.KafkaException(
                     f"the committed offsets of partitions {sorted(partitions)} could not be read stable "
-                    f"in {COMMITTED_READ_FOR_S:.0f} s ({why})"
+                    f"in {COMMITTED_READ_FOR_S:.0f} s ({why}); if no transaction of the group is open, one left "
+                    "hanging on __consumer_offsets holds them (RELIABILITY.md, known gap 3): kafka-transactions.sh "
+                    "find-hanging, then abort"
                 )
             log.warning("reading the committed offsets of partitions %s: %s; trying again", sorted(partitions), why)
             self._sleep(COMMITTED_READ_EVERY_S)
