@@ -92,6 +92,9 @@ OFFSETS_HUNG_S = 2.0
 #: next owner reads their committed offsets the same way.
 COMMITTED_READ_FOR_S = 60.0
 COMMITTED_READ_EVERY_S = 0.5
+#: After this long unstable, :meth:`ExactlyOnce._committed_now` drops what this
+#: worker's own producer may have left pending in the group (``_release``).
+RELEASE_PENDING_AFTER_S = 5.0
 
 #: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
 JOIN_POLL_S = 0.1
@@ -620,7 +623,9 @@ class ExactlyOnce:
         partition's error is checked.
         """
         kafka = _kafka()
-        deadline = time.monotonic() + COMMITTED_READ_FOR_S
+        began = time.monotonic()
+        deadline = began + COMMITTED_READ_FOR_S
+        released = False
         while True:
             try:
                 tps = [kafka.TopicPartition(self.topic, p) for p in partitions]
@@ -639,7 +644,51 @@ class ExactlyOnce:
                     "find-hanging, then abort"
                 )
             log.warning("reading the committed offsets of partitions %s: %s; trying again", sorted(partitions), why)
+            if not released and time.monotonic() - began >= RELEASE_PENDING_AFTER_S:
+                released = self._release(partitions)
             self._sleep(COMMITTED_READ_EVERY_S)
+
+    def _release(self, partitions: list[int]) -> bool:
+        """Drop whatever offsets of the group this worker's own producer left
+        pending: a transaction of its own holding offsets of the group, aborted.
+        Returns whether it ran.
+
+        NOTE: Kafka 4.4.0 can complete a transaction without writing its marker
+        on a partition that has no leader for a moment, as after the only
+        broker restarted (RELIABILITY.md, known gap 3). If that partition is
+        the group's ``__consumer_offsets`` one and the transaction had sent
+        offsets, the group keeps them pending until this producer's next marker
+        there, and answers every stable read of those partitions
+        UNSTABLE_OFFSET_COMMIT meanwhile: this worker, waiting for that read
+        (a new assignment, a commit of unknown outcome), would never commit
+        again. An abort marker ends them. If the coordinator had aborted that
+        transaction, that is its outcome; if it had committed it, its records
+        are decided again and answered from the resend index (agreeing doubles),
+        where a commit marker would have made an aborted transaction's offsets
+        committed and skipped its records. Harmless when the pending offsets
+        are another producer's (a live transaction: they end by themselves).
+        Only with no transaction of this worker open (none is while it reads).
+        """
+        if self._txn is not None:
+            return False
+        kafka = _kafka()
+        log.warning(
+            "the committed offsets of partitions %s stay unstable: dropping any this worker's producer "
+            "left pending (a transaction with offsets of the group, aborted)",
+            sorted(partitions),
+        )
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+            try:
+                offsets = [kafka.TopicPartition(self.topic, p, 0) for p in partitions]  # aborted: any offset
+                self._send_offsets(producer, offsets, self._consumer.consumer_group_metadata())
+            finally:
+                producer.abort_transaction(TXN_CALL_TIMEOUT_S)
+        except (kafka.KafkaException, FutureTimeout) as exc:
+            log.warning("dropping this worker's pending offsets failed (%s): its producer is replaced", exc)
+            self._replace_producer()
+        return True
 
     def _replace_producer(self) -> None:
         kafka = _kafka()

@@ -118,6 +118,13 @@ class FakeKafka:
         #: and ``OFFSET_INVALID`` (not raised: librdkafka's ``committed()`` once its
         #: own retries of an UNSTABLE_OFFSET_COMMIT answer ran out).
         self.committed_partition_errors: list[KafkaError] = []
+        #: Transactional ids whose earlier transaction's offsets were left
+        #: pending in the group, its marker on ``__consumer_offsets`` skipped
+        #: (Kafka 4.4.0 after the only broker restarted): every stable read of
+        #: the group is answered UNSTABLE_OFFSET_COMMIT, per partition, until a
+        #: marker of that producer there (a transaction of its with offsets of
+        #: the group, committed or aborted) ends them.
+        self.offsets_left_pending: set[str] = set()
         #: Reads of the group's committed offsets (a round trip to its coordinator).
         self.committed_reads = 0
         #: Partitions whose committed offset the client itself does not learn at
@@ -300,6 +307,9 @@ class FakeConsumer:
         if self.kafka.committed_partition_errors:
             err = self.kafka.committed_partition_errors.pop(0)
             return [_Answer(tp.topic, tp.partition, OFFSET_INVALID, err) for tp in partitions]
+        if self.kafka.offsets_left_pending:
+            unstable = error(KafkaError.UNSTABLE_OFFSET_COMMIT)
+            return [_Answer(tp.topic, tp.partition, OFFSET_INVALID, unstable) for tp in partitions]
         return [
             TopicPartition(tp.topic, tp.partition, self.kafka.offsets.get((self.group, tp.topic, tp.partition),
                                                                           OFFSET_INVALID))
@@ -423,6 +433,10 @@ class FakeProducer:
             log.append(Message(topic=topic, partition=partition, offset=len(log), key=key, value=value,
                                headers=headers, timestamp=(1, 0)))  # fmt: skip
         self.kafka.offsets.update(txn.offsets)
+        if txn.offsets:
+            # Its marker: the earlier pending offsets committed with it (what
+            # the broker does; a skipped abort's offsets become committed).
+            self.kafka.offsets_left_pending.discard(self.id)
         self.kafka.timeline.append(
             ("commit", self.id, {(t, p): o for (_g, t, p), o in txn.offsets.items()}, [r[2] for r in txn.records])
         )
@@ -438,6 +452,8 @@ class FakeProducer:
         self._usable()
         if self.txn is not None:
             self.kafka.timeline.append(("abort", self.id, len(self.txn.records)))
+            if self.txn.offsets:  # its marker on __consumer_offsets drops the earlier pending ones too
+                self.kafka.offsets_left_pending.discard(self.id)
         self.txn = None
         self.kafka.open.pop(self.id, None)
 

@@ -641,3 +641,60 @@ def test_the_clients_are_configured_for_exactly_once() -> None:
     assert consumer["enable.auto.commit"] is False and consumer["enable.auto.offset.store"] is False
     assert producer["transactional.id"] == f"{GROUP}-{TOPIC}-w1"
     assert producer["enable.idempotence"] is True and producer["acks"] == "all"
+
+
+def test_offsets_its_own_producer_left_pending_are_dropped_and_its_partitions_start_where_the_group_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kafka 4.4.0 after the only broker restarted: a transaction of this
+    worker's completed without its marker on __consumer_offsets, so its offsets
+    stay pending and every stable read of the group is answered UNSTABLE until
+    this producer's next marker there; the worker, reading them for a new
+    assignment, would wait for ever. It aborts a transaction of its own with
+    offsets of the group, which drops them, and goes on from the committed offsets."""
+    monkeypatch.setattr(eos, "RELEASE_PENDING_AFTER_S", 0.0)
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        s._sleep = lambda _s: None
+        first = await take(s)
+        await s.send(first, echo(first))
+        assert await s.commit() == [(1, "committed")]
+        fill(kafka, 0, 2)
+        kafka.offsets_left_pending.add(s.transactional_id)
+        kafka.rebalance(GROUP, {consumer_of(kafka, s): {0, 1}})  # rejoined: its partitions assigned again
+        assert taken(await take(s)) == []  # the rebalance, served inside consume
+        assert kafka.offsets_left_pending == set()
+        assert kafka.events("abort") == [("abort", s.transactional_id, 0)]  # no record of it, only the marker
+        again = await take(s)
+        assert taken(again) == [(0, 3), (0, 4)]
+        await s.send(again, echo(again))
+        assert await s.commit() == [(2, "committed")]
+
+    run(kafka, body)
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4"]  # each once
+    assert kafka.committed(GROUP, TOPIC) == {0: 5}
+
+
+def test_offsets_another_producer_left_pending_still_stop_the_worker_after_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This worker's abort drops only its own producer's pending offsets: those
+    of another (a worker gone for good) still hold the read, which gives up
+    after its bound with the remedy in the error, and nothing is taken."""
+    monkeypatch.setattr(eos, "RELEASE_PENDING_AFTER_S", 0.0)
+    monkeypatch.setattr(eos, "COMMITTED_READ_FOR_S", 0.05)
+    kafka = new_kafka()
+    fill(kafka, 0, 3)
+
+    async def body(s: ExactlyOnce) -> None:
+        s._sleep = lambda _s: None
+        kafka.offsets_left_pending.add("fraud-unit-score-transactions-gone")
+        kafka.rebalance(GROUP, {consumer_of(kafka, s): {0, 1}})
+        with pytest.raises(KafkaException, match="could not be read stable.*kafka-transactions.sh"):
+            await take(s)
+        assert kafka.events("abort") == [("abort", s.transactional_id, 0)]  # tried once, its own
+        assert seen(kafka) == []
+
+    run(kafka, body)
