@@ -208,23 +208,23 @@ class ExactlyOnce:
             "linger.ms": linger_ms,
             "compression.type": compression,
             "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
-            # A lost transactional request is retried after this, not the 100 ms default.
-            "retry.backoff.ms": 20,
+            # A refused or lost transactional request is retried after this
+            # (doubling, up to retry.backoff.max.ms), not the 100 ms default: a
+            # new transaction's AddOffsetsToTxn refused while the coordinator
+            # completes the last one (below) is asked again within a few ms.
+            "retry.backoff.ms": 2,
         }
-        # NOTE: a transaction's requests to the coordinator (AddPartitionsToTxn
-        # on its first produce, AddOffsetsToTxn at its commit), sent while the
-        # coordinator is still completing the previous transaction (EndTxn is
-        # answered once the commit is decided; its markers are written after),
-        # are refused CONCURRENT_TRANSACTIONS, and librdkafka tries again 20 ms
-        # later (fixed for the partitions, rdkafka_txnmgr.c; retry.backoff.ms
-        # for the offsets): the whole transaction, and every decision in it,
-        # waits 20 ms more. Back to back on the local broker that happened to
-        # nearly every transaction (23-28 ms a transaction against 7.6-8.5 ms,
-        # a 3 ms pause included: python -m bench.transaction, docs/performance.md).
-        # So a transaction begun within ``settle_s`` (the worker's
-        # FRAUD_COMMIT_SETTLE_S) of the last commit's end waits out the rest of
-        # it first. The loop scores the next batch while a commit runs, so at
-        # most rates the pause has passed by the time the batch is sent.
+        # NOTE: a transaction's requests to the coordinator sent while it is
+        # still completing the previous transaction (EndTxn is answered once
+        # the commit is decided; its markers are written after) are refused
+        # CONCURRENT_TRANSACTIONS. librdkafka asks again after retry.backoff.ms
+        # for AddOffsetsToTxn, but only after a fixed 20 ms for
+        # AddPartitionsToTxn (rdkafka_txnmgr.c), and every decision in the
+        # transaction waits with it. So a transaction adds its first batch's
+        # offsets before its records (_send). ``settle_s`` (the worker's
+        # FRAUD_COMMIT_SETTLE_S, 0 by default) is a pause before a transaction
+        # begun within it of the last commit's end; it was the answer before
+        # the offsets went first, and now only adds latency (docs/performance.md).
         self.settle_s = settle_s
         self._committed_at = float("-inf")  # no commit yet: no pause
         self._sleep: Callable[[float], None] = time.sleep
@@ -435,6 +435,19 @@ class ExactlyOnce:
                 producer.begin_transaction()
                 self._seq += 1
                 self._txn = _OpenTransaction(self._seq, self.generation, time.monotonic())
+                # NOTE: the batch's offsets go first, before its records. The
+                # transaction's first request to the coordinator is then
+                # AddOffsetsToTxn, retried after retry.backoff.ms (2 ms here) if
+                # the coordinator is still writing the last transaction's
+                # markers; records produced first would have made it
+                # AddPartitionsToTxn, which librdkafka retries only 20 ms later
+                # (fixed, rdkafka_txnmgr.c): 4 % of a worker's transactions at
+                # 1,000 TPS waited those 20 ms (docs/performance.md). Once the
+                # offsets are in, the coordinator has moved on and the
+                # partitions are added at once. The commit sends the offsets
+                # again (every batch's), so the group still checks this worker's
+                # generation just before the commit, as it did without this.
+                self._send_offsets(producer, self._offsets(batch.next_offsets), self._consumer.consumer_group_metadata())
             produce = producer.produce
             for topic, key, value, headers in records:
                 while True:
@@ -459,8 +472,18 @@ class ExactlyOnce:
             self._txn = None
             self._settle(txn, self._recover(txn, exc.args[0] if exc.args else None))
             return txn.seq
+        except FutureTimeout:
+            begun = self._txn
+            assert begun is not None  # only the offsets of a transaction just begun are sent here
+            begun.add(batch)
+            self._txn = None
+            self._settle(begun, self._offsets_hung(begun))
+            return begun.seq
         self._txn.add(batch)
         return self._txn.seq
+
+    def _offsets(self, next_offsets: dict[int, int]) -> list[Any]:
+        return [_kafka().TopicPartition(self.topic, p, o) for p, o in next_offsets.items()]
 
     def _void(self, batch: TakenBatch) -> None:
         """A batch taken before a transaction that did not commit: the loop
@@ -520,21 +543,12 @@ class ExactlyOnce:
             self._recover(txn, None)
             return "fenced"
         try:
-            offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in txn.next_offsets.items()]
-            self._send_offsets(producer, offsets, self._consumer.consumer_group_metadata())
+            # Every batch's, and the group's check of this worker's generation now (a zombie is fenced here).
+            self._send_offsets(producer, self._offsets(txn.next_offsets), self._consumer.consumer_group_metadata())
         except kafka.KafkaException as exc:
             return self._recover(txn, exc.args[0] if exc.args else None)
         except FutureTimeout:
-            # Left hung on its thread: only a new producer (a new epoch, which
-            # aborts this transaction) can go on; the records come again.
-            log.warning(
-                "sending the offsets of partitions %s hung for %.0f s (AddOffsetsToTxn to the transaction "
-                "coordinator, or TxnOffsetCommit to the group coordinator, unanswered: a coordinator lost): "
-                "the transaction is abandoned",
-                sorted(txn.first),
-                self.offsets_hung_s,
-            )
-            return self._recover(txn, None)
+            return self._offsets_hung(txn)
         for attempt in range(COMMIT_RETRIES):
             try:
                 producer.commit_transaction(TXN_CALL_TIMEOUT_S)
@@ -548,6 +562,18 @@ class ExactlyOnce:
                     continue  # librdkafka: a retriable commit error may be retried as is
                 return self._recover(txn, err, may_have_committed=True)
         raise AssertionError("unreachable")
+
+    def _offsets_hung(self, txn: _OpenTransaction) -> str:
+        # Left hung on its thread: only a new producer (a new epoch, which
+        # aborts this transaction) can go on; the records come again.
+        log.warning(
+            "sending the offsets of partitions %s hung for %.0f s (AddOffsetsToTxn to the transaction "
+            "coordinator, or TxnOffsetCommit to the group coordinator, unanswered: a coordinator lost): "
+            "the transaction is abandoned",
+            sorted(txn.first),
+            self.offsets_hung_s,
+        )
+        return self._recover(txn, None)
 
     def _send_offsets(self, producer: Any, offsets: list[Any], group_metadata: Any) -> None:
         """``send_offsets_to_transaction``, given up after ``offsets_hung_s``

@@ -287,14 +287,14 @@ def test_offsets_that_hang_past_their_timeout_abandon_the_transaction_for_a_new_
 
     async def body(s: ExactlyOnce) -> None:
         s.offsets_hung_s = 0.2
+        kafka.offsets_hang = None
         first = await take(s)
         await s.send(first, echo(first))
-        kafka.offsets_hang = None
         assert await s.commit() == [(1, "committed")]
         fill(kafka, 0, 2)
         batch = await take(s)
-        await s.send(batch, echo(batch))
-        kafka.offsets_hang = hung
+        await s.send(batch, echo(batch))  # its offsets went at the transaction's start
+        kafka.offsets_hang = hung  # and hang when the commit sends them again
         assert await asyncio.wait_for(s.commit(), 5.0) == [(2, "aborted")]
         assert seen(kafka) == [b"p0-0", b"p0-1"] and kafka.committed(GROUP, TOPIC) == {0: 2}
         # Nothing of it committed: back to where it began, without asking the
@@ -696,5 +696,58 @@ def test_offsets_another_producer_left_pending_still_stop_the_worker_after_the_b
             await take(s)
         assert kafka.events("abort") == [("abort", s.transactional_id, 0)]  # tried once, its own
         assert seen(kafka) == []
+
+
+def test_offsets_that_hang_as_a_transaction_begins_abandon_it_and_its_records_come_again() -> None:
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+    kafka.offsets_hang = threading.Event()
+
+    async def body(s: ExactlyOnce) -> None:
+        s.offsets_hung_s = 0.2
+        batch = await take(s)
+        await asyncio.wait_for(s.send(batch, echo(batch)), 5.0)  # given up, not stuck
+        assert await s.commit() == [(1, "aborted")]
+        assert seen(kafka) == [] and kafka.committed(GROUP, TOPIC) == {}
+        kafka.offsets_hang = None
+        again = await take(s)
+        assert taken(again) == taken(batch)
+        await s.send(again, echo(again))
+        assert await s.commit() == [(2, "committed")]
+        assert seen(kafka) == [b"p0-0", b"p0-1"]
+
+    hung = kafka.offsets_hang
+    try:
+        run(kafka, body)
+    finally:
+        hung.set()
+    assert len(kafka.producers) == 2
+
+
+def test_a_transaction_adds_its_offsets_before_its_records_and_again_with_every_batch_at_its_commit() -> None:
+    # The transaction's first request to the coordinator is AddOffsetsToTxn,
+    # which librdkafka retries within a few ms if the coordinator is still
+    # completing the last transaction (AddPartitionsToTxn: only 20 ms later).
+    kafka = new_kafka()
+    fill(kafka, 0, 2)
+    fill(kafka, 1, 2)
+    calls: list[tuple[int, dict[int, int]]] = []
+
+    async def body(s: ExactlyOnce) -> None:
+        producer = s._producer
+        real = producer.send_offsets_to_transaction
+
+        def spy(positions: Any, group_metadata: Any, timeout: Any = None) -> None:
+            calls.append((len(producer.txn.records), {tp.partition: tp.offset for tp in positions}))
+            real(positions, group_metadata, timeout)
+
+        producer.send_offsets_to_transaction = spy
+        first = await take(s, 2)
+        second = await take(s, 2)
+        await s.send(first, echo(first))
+        await s.send(second, echo(second))
+        assert await s.commit() == [(1, "committed")]
+        assert calls[0][0] == 0 and calls[0][1] == first.next_offsets  # before any record
+        assert len(calls) == 2 and calls[1] == (4, {**first.next_offsets, **second.next_offsets})
 
     run(kafka, body)
