@@ -292,10 +292,11 @@ class Settings(BaseSettings):
     (only what is left of it once the next batch is scored). The coordinator
     is still writing the last transaction's markers for a few ms after its
     commit is answered, and refuses the next one's requests meanwhile. A
-    transaction adds its offsets before its records, so the refusal is retried
-    within a few ms (app/eos.py) and no pause is needed: 3 ms cost 5 ms of p50
-    at 1,000 TPS (docs/performance.md). Above 0: fewer transactions at middle
-    rates, each decision waiting up to this long more."""
+    transaction begins with an offset of the gate group (app/eos.py), whose
+    refusal is asked again within a few ms, so no pause is needed: with the
+    records first and 3 ms, the p99 at 1,000-2,000 TPS was 15-30 % higher
+    (docs/performance.md). Above 0: fewer transactions at middle rates, each
+    decision waiting up to this long more."""
 
     loop_stall_exit_s: float = 120.0
     """A scoring loop that has not finished a step in this long is stuck where

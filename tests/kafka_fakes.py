@@ -317,6 +317,8 @@ class FakeConsumer:
         ]  # fmt: skip
 
     def consumer_group_metadata(self) -> GroupMetadata:
+        if not self.topic:  # never subscribed: no member, no generation (librdkafka's -1)
+            return GroupMetadata(self.group, "", -1)
         return GroupMetadata(self.group, self.member_id, self.generation)
 
     def get_watermark_offsets(
@@ -407,12 +409,14 @@ class FakeProducer:
             err = self.kafka.offsets_errors.pop(0)
             txn.must_abort = err.txn_requires_abort()
             raise KafkaException(err)
-        group = self.kafka.groups[group_metadata.group]
+        group = self.kafka.groups.get(group_metadata.group)
         member = group_metadata.member_id
-        if member not in group.members:
+        if group is None and member == "" and group_metadata.generation < 0:
+            pass  # a group no consumer has joined: a "simple" commit, accepted unchecked
+        elif group is None or member not in group.members:
             txn.must_abort = True
             raise KafkaException(error(KafkaError.UNKNOWN_MEMBER_ID, abortable=True))
-        if group_metadata.generation not in (group.generation, group.revoking.get(member)):
+        elif group_metadata.generation not in (group.generation, group.revoking.get(member)):
             txn.must_abort = True
             raise KafkaException(error(KafkaError.ILLEGAL_GENERATION, abortable=True))
         for tp in positions:
@@ -438,7 +442,8 @@ class FakeProducer:
             # the broker does; a skipped abort's offsets become committed).
             self.kafka.offsets_left_pending.discard(self.id)
         self.kafka.timeline.append(
-            ("commit", self.id, {(t, p): o for (_g, t, p), o in txn.offsets.items()}, [r[2] for r in txn.records])
+            ("commit", self.id, {(t, p): o for (g, t, p), o in txn.offsets.items() if g in self.kafka.groups},
+             [r[2] for r in txn.records])
         )
         self.txn = None
         self.kafka.open.pop(self.id, None)

@@ -86,6 +86,7 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
     # NOTE: loads the worker (faust): only when the table is built
     from agents.wiring import restore_group, scoring_group
+    from app.eos import gate_group
 
     s = settings
     scoring = scoring_group(s)
@@ -126,6 +127,8 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             # group, whose offsets the transactions commit (KIP-447).
             Grant("transactional-id", (f"{s.app_id}-score-",), ("Write", "Describe"), "prefixed"),
             Grant("group", (scoring,), ("Read", "Describe")),
+            # The gate group: a transaction's first offsets, read by no one (app/eos.py).
+            Grant("group", (gate_group(scoring),), ("Read", "Describe")),
             # faust's consumer group (the merchant tally reads `labels`), and
             # faust's own topics (changelogs, repartitions, the assignor's
             # leader topic), all named ``<app_id>-...``.

@@ -35,12 +35,8 @@ def _stream(bootstrap: str, group: str, source: str, worker: str = "w1", **optio
     )  # fmt: skip
 
 
-def _committed_view(
-    bootstrap: str, group: str, source: str, out: str, *, offsets: bool = True
-) -> tuple[list[bytes], dict[int, int]]:
-    """What a read_committed reader of ``out`` sees, and (``offsets``) the
-    group's committed offsets of ``source``: asked with require_stable, they
-    wait for a transaction that has added offsets of the group to end."""
+def _committed_view(bootstrap: str, group: str, source: str, out: str) -> tuple[list[bytes], dict[int, int]]:
+    """What a read_committed reader of ``out`` sees, and the group's committed offsets of ``source``."""
     # In the group, never joining it (no subscribe): committed() reads the group's offsets.
     reader = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
                        "isolation.level": "read_committed", "auto.offset.reset": "earliest"})  # fmt: skip
@@ -49,13 +45,12 @@ def _committed_view(
         values: list[bytes] = []
         for _ in range(10):
             values += [m.value() for m in reader.consume(1000, 0.3) if m.error() is None]
-        if not offsets:
-            return sorted(values), {}
         committed = reader.committed([TopicPartition(source, p) for p in range(2)], 10.0)
         # The group's offsets, asked with require_stable (librdkafka's default).
-        return sorted(values), {tp.partition: tp.offset for tp in committed if tp.offset >= 0}
+        offsets = {tp.partition: tp.offset for tp in committed if tp.offset >= 0}
     finally:
         reader.close()
+    return sorted(values), offsets
 
 
 def _feed(bootstrap: str, source: str, values: list[bytes]) -> None:
@@ -97,9 +92,8 @@ def test_records_and_offsets_commit_together_and_a_fenced_producer_is_replaced(
         try:
             for batch in await _take_all(stream, len(first)):
                 assert await stream.send(batch, _echo(out, batch)) is not None
-            # Open: a read_committed reader sees nothing of it yet (its first
-            # batch's offsets are in it already, pending: app/eos.py).
-            assert await asyncio.to_thread(_committed_view, kafka_bootstrap, group, source, out, offsets=False) == ([], {})
+            # Open: a read_committed reader sees nothing of it yet.
+            assert await asyncio.to_thread(_committed_view, kafka_bootstrap, group, source, out) == ([], {})
             outcomes += await stream.commit()
             _feed(kafka_bootstrap, source, second)
             taken = await _take_all(stream, len(second))

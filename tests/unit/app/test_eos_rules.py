@@ -724,21 +724,23 @@ def test_offsets_that_hang_as_a_transaction_begins_abandon_it_and_its_records_co
     assert len(kafka.producers) == 2
 
 
-def test_a_transaction_adds_its_offsets_before_its_records_and_again_with_every_batch_at_its_commit() -> None:
+def test_a_transaction_adds_the_gate_groups_offsets_before_its_records_and_the_groups_only_at_its_commit() -> None:
     # The transaction's first request to the coordinator is AddOffsetsToTxn,
     # which librdkafka retries within a few ms if the coordinator is still
     # completing the last transaction (AddPartitionsToTxn: only 20 ms later).
+    # Those first offsets are the gate group's: the scoring group's go only
+    # at the commit, so they are never pending for a transaction's whole life.
     kafka = new_kafka()
     fill(kafka, 0, 2)
     fill(kafka, 1, 2)
-    calls: list[tuple[int, dict[int, int]]] = []
+    calls: list[tuple[int, str, dict[int, int]]] = []
 
     async def body(s: ExactlyOnce) -> None:
         producer = s._producer
         real = producer.send_offsets_to_transaction
 
         def spy(positions: Any, group_metadata: Any, timeout: Any = None) -> None:
-            calls.append((len(producer.txn.records), {tp.partition: tp.offset for tp in positions}))
+            calls.append((len(producer.txn.records), group_metadata.group, {tp.partition: tp.offset for tp in positions}))
             real(positions, group_metadata, timeout)
 
         producer.send_offsets_to_transaction = spy
@@ -747,7 +749,23 @@ def test_a_transaction_adds_its_offsets_before_its_records_and_again_with_every_
         await s.send(first, echo(first))
         await s.send(second, echo(second))
         assert await s.commit() == [(1, "committed")]
-        assert calls[0][0] == 0 and calls[0][1] == first.next_offsets  # before any record
-        assert len(calls) == 2 and calls[1] == (4, {**first.next_offsets, **second.next_offsets})
+        assert calls[0] == (0, s.gate_group, {0: 0})  # before any record
+        assert calls[1] == (4, GROUP, {**first.next_offsets, **second.next_offsets}) and len(calls) == 2
+        assert s.gate_group != GROUP and kafka.committed(GROUP, TOPIC) == {0: 2, 1: 2}
 
     run(kafka, body)
+
+
+def test_the_gate_group_shares_the_scoring_groups_offsets_partition() -> None:
+    # Java's String.hashCode, as the broker places a group; one more partition
+    # of __consumer_offsets in every transaction would be one more marker.
+    from app.eos import _kafka_group_partition, gate_group
+
+    # Java: "hello".hashCode() == 99162322, "Hello World".hashCode() == -862545276.
+    assert _kafka_group_partition("hello", 2**31 - 1) == 99162322
+    assert _kafka_group_partition("Hello World", 2**31 - 1) == 862545276
+    for group in (GROUP, "fraud-pipeline-score", "ft-worker-6d545bc0fb-score"):
+        gate = gate_group(group)
+        assert gate.startswith(f"{group}-gate")
+        for partitions in (1, 8, 50, 200):
+            assert _kafka_group_partition(gate, partitions) == _kafka_group_partition(group, partitions)
