@@ -202,6 +202,8 @@ class ExactlyOnce:
         self.group_id = group_id
         self.gate_group = gate_group(group_id)
         self._gate_metadata: Any = None
+        #: What each transaction commits to the gate group: any offset will do, no one reads it.
+        self._gate_offsets: list[Any] = []
         self.transactional_id = transactional_id
         self._consumer_config: dict[str, object] = {
             **client_config,
@@ -307,6 +309,7 @@ class ExactlyOnce:
         gate = self._consumer_factory({**self._consumer_config, "group.id": self.gate_group})
         try:
             self._gate_metadata = gate.consumer_group_metadata()
+            self._gate_offsets = [_kafka().TopicPartition(self.topic, 0, 0)]
         finally:
             gate.close()
 
@@ -485,7 +488,7 @@ class ExactlyOnce:
                 # group's offsets pending for a transaction's whole life lost
                 # a decision that way, and stopped every worker waiting for a
                 # stable read of its own. A gate offset pending is read by no one.
-                self._send_offsets(producer, [kafka.TopicPartition(self.topic, 0, 0)], self._gate_metadata)
+                self._send_offsets(producer, self._gate_offsets, self._gate_metadata)
             produce = producer.produce
             for topic, key, value, headers in records:
                 while True:
@@ -519,9 +522,6 @@ class ExactlyOnce:
             return begun.seq
         self._txn.add(batch)
         return self._txn.seq
-
-    def _offsets(self, next_offsets: dict[int, int]) -> list[Any]:
-        return [_kafka().TopicPartition(self.topic, p, o) for p, o in next_offsets.items()]
 
     def _void(self, batch: TakenBatch) -> None:
         """A batch taken before a transaction that did not commit: the loop
@@ -582,7 +582,8 @@ class ExactlyOnce:
             return "fenced"
         try:
             # Every batch's, and the group's check of this worker's generation now (a zombie is fenced here).
-            self._send_offsets(producer, self._offsets(txn.next_offsets), self._consumer.consumer_group_metadata())
+            offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in txn.next_offsets.items()]
+            self._send_offsets(producer, offsets, self._consumer.consumer_group_metadata())
         except kafka.KafkaException as exc:
             return self._recover(txn, exc.args[0] if exc.args else None)
         except FutureTimeout:

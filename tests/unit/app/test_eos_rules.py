@@ -437,6 +437,30 @@ def test_a_commit_whose_outcome_cannot_be_learned_stops_the_worker_rather_than_g
     run(kafka, body)
 
 
+async def reassigned_after_a_commit(kafka: FakeKafka, s: ExactlyOnce, fault: Callable[[], None]) -> None:
+    """Partition 0's first three records decided and committed, two more
+    written, ``fault`` set, then the worker's partitions assigned again (a new
+    generation), served inside a take."""
+    s._sleep = lambda _s: None
+    first = await take(s)
+    await s.send(first, echo(first))
+    assert await s.commit() == [(1, "committed")]
+    fill(kafka, 0, 2)
+    fault()
+    kafka.rebalance(GROUP, {consumer_of(kafka, s): {0, 1}})
+    assert taken(await take(s)) == []  # the rebalance, served inside consume
+
+
+async def the_rest_decided_once(kafka: FakeKafka, s: ExactlyOnce) -> None:
+    """The two records after the commit are taken next, and every record is decided once."""
+    again = await take(s)
+    assert taken(again) == [(0, 3), (0, 4)]
+    await s.send(again, echo(again))
+    assert await s.commit() == [(2, "committed")]
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4"]
+    assert kafka.committed(GROUP, TOPIC) == {0: 5}
+
+
 def test_a_partition_assigned_again_starts_at_the_committed_offset_even_if_the_client_lost_it() -> None:
     """librdkafka answered a new assignment's committed offset UNSTABLE (a killed
     worker's transaction still held the offsets) while the assignment changed,
@@ -446,24 +470,15 @@ def test_a_partition_assigned_again_starts_at_the_committed_offset_even_if_the_c
     kafka = new_kafka()
     fill(kafka, 0, 3)
 
-    async def body(s: ExactlyOnce) -> None:
-        s._sleep = lambda _s: None
-        first = await take(s)
-        await s.send(first, echo(first))
-        assert await s.commit() == [(1, "committed")]
-        fill(kafka, 0, 2)
+    def fault() -> None:
         kafka.positions_lost.add(0)
         kafka.committed_partition_errors.append(error(KafkaError.UNSTABLE_OFFSET_COMMIT, retriable=True))
-        kafka.rebalance(GROUP, {consumer_of(kafka, s): {0, 1}})  # a new generation: partition 0 assigned again
-        assert taken(await take(s)) == []  # the rebalance, served inside consume
-        again = await take(s)
-        assert taken(again) == [(0, 3), (0, 4)]
-        await s.send(again, echo(again))
-        await s.commit()
+
+    async def body(s: ExactlyOnce) -> None:
+        await reassigned_after_a_commit(kafka, s, fault)
+        await the_rest_decided_once(kafka, s)
 
     run(kafka, body)
-    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4"]  # each once
-    assert kafka.committed(GROUP, TOPIC) == {0: 5}
 
 
 def test_a_produce_error_ends_the_transaction_aborted() -> None:
@@ -657,24 +672,12 @@ def test_offsets_its_own_producer_left_pending_are_dropped_and_its_partitions_st
     fill(kafka, 0, 3)
 
     async def body(s: ExactlyOnce) -> None:
-        s._sleep = lambda _s: None
-        first = await take(s)
-        await s.send(first, echo(first))
-        assert await s.commit() == [(1, "committed")]
-        fill(kafka, 0, 2)
-        kafka.offsets_left_pending.add(s.transactional_id)
-        kafka.rebalance(GROUP, {consumer_of(kafka, s): {0, 1}})  # rejoined: its partitions assigned again
-        assert taken(await take(s)) == []  # the rebalance, served inside consume
+        await reassigned_after_a_commit(kafka, s, lambda: kafka.offsets_left_pending.add(s.transactional_id))
         assert kafka.offsets_left_pending == set()
         assert kafka.events("abort") == [("abort", s.transactional_id, 0)]  # no record of it, only the marker
-        again = await take(s)
-        assert taken(again) == [(0, 3), (0, 4)]
-        await s.send(again, echo(again))
-        assert await s.commit() == [(2, "committed")]
+        await the_rest_decided_once(kafka, s)
 
     run(kafka, body)
-    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3", b"p0-4"]  # each once
-    assert kafka.committed(GROUP, TOPIC) == {0: 5}
 
 
 def test_offsets_another_producer_left_pending_still_stop_the_worker_after_the_bound(
