@@ -103,6 +103,16 @@ def _machine(doc: Mapping[str, Any]) -> str:
     return f"{machine['cores']} cores ({machine['cpu_model']})"
 
 
+def _speed(doc: Mapping[str, Any]) -> str:
+    """The machine's speed over the run (bench/procs.py, python_loop_ms), if recorded."""
+    machine = doc["machine"]
+    start, end = machine.get("python_loop_ms_at_start"), machine.get("python_loop_ms_at_end")
+    if start is None:
+        return ""
+    at_end = f", {end:,.0f} ms at its end" if end is not None else ""
+    return f" A fixed pure-Python loop took {start:,.0f} ms at the run's start{at_end}: compare runs by it."
+
+
 def _max_achieved(doc: Mapping[str, Any], variant: str) -> float | None:
     value = doc.get("throughput_ratios", {}).get("max_achieved_tps", {}).get(variant)
     return None if value is None else float(value)
@@ -243,7 +253,7 @@ def render_summary(doc: Mapping[str, Any]) -> str:
     """performance.md's tables: each variant's knee, the goals, every rate, the batch sweep."""
     lines = [
         f"`make bench` on {_when(doc)}{' (`QUICK=1`)' if doc.get('quick') else ''}, {doc['duration_s']:,.0f} s, "
-        f"on {_machine(doc)}; `bench/results/latest.json`.",
+        f"on {_machine(doc)}; `bench/results/latest.json`.{_speed(doc)}",
         "",
         *_loop_settings(doc),
         "| variant | what | max TPS with p99 < 200 ms | p50 / p99 there (ms) | most decided/s in any run |",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,20 @@ def proc_rss_mb(pid: int) -> float | None:
         return None
 
 
+def python_loop_ms(rounds: int = 3) -> float:
+    """The best of ``rounds`` timings of a fixed pure-Python loop, in ms: this
+    machine's speed for the worker's kind of work at that moment. Its speed
+    moves by up to 2x over a day, so a run's figures are read beside it."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i * i % 7
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1000, 1)
+
+
 def machine_info() -> dict[str, Any]:
     model = None
     try:
@@ -60,4 +75,5 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python_loop_ms_at_start": python_loop_ms(),
     }

@@ -61,7 +61,7 @@ from typing import Any
 
 from bench import streams_peer
 from bench.plan import FULL_PLAN, QUICK_PLAN, REPO, RESULTS_DIR, Variant, sweep_variants
-from bench.procs import machine_info
+from bench.procs import machine_info, python_loop_ms
 from bench.report import SCHEMA, _plan_doc, _settings_doc, format_report, write_results
 from bench.runner import Bench
 from bench.verdicts import (
@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.fresh()
         bench.sweep()
         settings = _settings_doc(svc)
+    machine["python_loop_ms_at_end"] = python_loop_ms()
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "quick": plan.quick,

@@ -434,3 +434,21 @@ def test_the_report_quotes_the_run_that_held_a_knee_reached_on_a_repeat() -> Non
     assert held is not None and held["p99_ms"] == 128.0  # not the slow first run, nor the one that lost records
     only = figures._held_run({"runs": [run(224.0)]}, "batched", 4000.0)
     assert only is not None and only["p99_ms"] == 224.0  # none held: the first, as before
+
+
+def test_the_summary_names_the_machines_speed_over_the_run_when_recorded() -> None:
+    # The machine's speed moves by up to 2x in a day: a run's figures are read beside it.
+    from bench import figures
+
+    timed = {"machine": {"cores": 2, "cpu_model": "AMD EPYC", "python_loop_ms_at_start": 69.6,
+                         "python_loop_ms_at_end": 88.2}}  # fmt: skip
+    assert figures._speed(timed) == (
+        " A fixed pure-Python loop took 70 ms at the run's start, 88 ms at its end: compare runs by it."
+    )
+    assert figures._speed({"machine": {"cores": 2, "cpu_model": "AMD EPYC"}}) == ""  # an older run's
+
+
+def test_the_machines_speed_is_a_positive_time_in_ms() -> None:
+    from bench.procs import python_loop_ms
+
+    assert 0 < python_loop_ms(rounds=1) < 60_000
