@@ -147,9 +147,10 @@ class _OpenTransaction:
 def _kafka_group_partition(group_id: str, partitions: int) -> int:
     """The ``__consumer_offsets`` partition of a group, as the broker places
     it: ``Utils.abs(groupId.hashCode()) % partitions`` (Java's String hash)."""
+    data = group_id.encode("utf-16-be")  # Java's chars: UTF-16 code units
     h = 0
-    for unit in group_id.encode("utf-16-be").hex(" ", 2).split():
-        h = (31 * h + int(unit, 16)) & 0xFFFFFFFF
+    for i in range(0, len(data), 2):
+        h = (31 * h + int.from_bytes(data[i : i + 2], "big")) & 0xFFFFFFFF
     h = h - (1 << 32) if h >= 1 << 31 else h
     return (0 if h == -(1 << 31) else abs(h)) % partitions
 
@@ -504,22 +505,20 @@ class ExactlyOnce:
                         break
                     except BufferError:
                         producer.poll(0.005)
-        except kafka.KafkaException as exc:
-            # The transaction cannot go on: end it (aborted); this batch's
+        except (kafka.KafkaException, FutureTimeout) as exc:
+            # The transaction cannot go on: end it (aborted, or abandoned to a
+            # new producer when the gate group's offsets hung); this batch's
             # records come back with the rest of it.
             txn = self._txn or _OpenTransaction(self._seq + 1, self.generation, time.monotonic())
             self._seq = txn.seq
             txn.add(batch)
             self._txn = None
-            self._settle(txn, self._recover(txn, exc.args[0] if exc.args else None))
+            if isinstance(exc, FutureTimeout):
+                outcome = self._offsets_hung(txn)
+            else:
+                outcome = self._recover(txn, exc.args[0] if exc.args else None)
+            self._settle(txn, outcome)
             return txn.seq
-        except FutureTimeout:
-            begun = self._txn
-            assert begun is not None  # only the offsets of a transaction just begun are sent here
-            begun.add(batch)
-            self._txn = None
-            self._settle(begun, self._offsets_hung(begun))
-            return begun.seq
         self._txn.add(batch)
         return self._txn.seq
 

@@ -59,15 +59,10 @@ def report(before: str, after: str, wall_s: float) -> dict[str, dict[str, float]
     return out
 
 
-def script_ms(slowlog: Iterable[Any]) -> list[float]:
-    """The durations (ms) of the EVALSHA calls in a ``SLOWLOG GET`` reply (redis-py's parsed entries)."""
-    durations = []
-    for entry in slowlog:
-        command = entry.get("command", b"")
-        name = command.split(b" ", 1)[0] if isinstance(command, bytes) else str(command).split(" ", 1)[0]
-        if str(name.decode() if isinstance(name, bytes) else name).lower() == "evalsha":
-            durations.append(entry["duration"] / 1000.0)
-    return durations
+def script_ms(slowlog: Iterable[dict[str, Any]]) -> list[float]:
+    """The durations (ms) of the EVALSHA calls among SLOWLOG entries
+    (``{"duration": µs, "command": "EVALSHA ..."}``, as bench/phases.sh writes them)."""
+    return [e["duration"] / 1000.0 for e in slowlog if e["command"].split(" ", 1)[0].lower() == "evalsha"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,11 +68,12 @@ wait $LOAD || true
 tail -1 "$TMP/load.log"
 $BIN/python - "$T0" "$T1" "$C0" "$C1" "$R0" "$R1" "$RATE" "$TMP/load.json" > "$TMP/extra.json" <<'PY'
 import json, os, sys
+from bench.procs import machine_info
 t0, t1, c0, c1, r0, r1, rate = map(float, sys.argv[1:8])
 wall = t1 - t0
 load = json.load(open(sys.argv[8])) if os.path.exists(sys.argv[8]) else {}
 print(json.dumps({
-    "offered_tps": rate, "machine": {"cores": os.cpu_count(), "cpu_model": open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].split("\n")[0].strip()},
+    "offered_tps": rate, "machine": machine_info(),
     "worker_cpu_pct": round((c1 - c0) / os.sysconf("SC_CLK_TCK") / wall * 100, 1),
     "redis_cpu_pct": round((r1 - r0) / wall * 100, 1),
     "load": {k: load[k] for k in ("sent", "decided", "achieved_rate", "latency_ms") if k in load},

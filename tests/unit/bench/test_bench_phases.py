@@ -46,7 +46,7 @@ def test_only_the_loops_histograms_are_read_and_buckets_are_not_sums() -> None:
 def test_the_batch_scripts_durations_are_read_from_the_slowlog_in_ms() -> None:
     entries = [
         {"duration": 14000, "command": "EVALSHA 3f2a 12 k1 k2"},
-        {"duration": 900, "command": b"SET x 1"},
-        {"duration": 21500, "command": b"evalsha 3f2a 9 k1"},
+        {"duration": 900, "command": "SET x 1"},
+        {"duration": 21500, "command": "evalsha 3f2a 9 k1"},
     ]
     assert script_ms(entries) == [14.0, 21.5]
