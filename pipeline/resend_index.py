@@ -88,23 +88,26 @@ class RocksStore:
     """An :class:`IndexStore` in RocksDB (``rocksdict``), at ``path``.
 
     A bloom filter answers most misses (a first sight, the common case)
-    without reading a block: ~0.3 µs a key in a batch read against ~9 µs
-    without. RocksDB's own TTL drops entries older than ``ttl_s`` at
+    without reading a block: in a batch read of a store opened again with
+    ~560,000 keys, 0.5 µs a key against 7.9 µs without (most of it reading
+    and decompressing blocks). RocksDB's own TTL drops entries older than ``ttl_s`` at
     compaction, which bounds the disk; an entry's expiry is also in its value
     (restored entries are written late), and reads check that one.
     """
 
     def __init__(self, path: Path, ttl_s: int) -> None:
-        from rocksdict import AccessType, BlockBasedOptions, Options, Rdict
+        from rocksdict import AccessType, Rdict
 
         path.mkdir(parents=True, exist_ok=True)
-        options = Options(raw_mode=True)
-        table = BlockBasedOptions()
-        table.set_bloom_filter(10, False)
-        options.set_block_based_table_factory(table)
-        options.create_if_missing(True)
         self.path = path
-        self._db = Rdict(str(path), options, access_type=AccessType.with_ttl(max(1, int(ttl_s))))
+        # NOTE: the options go to the default column family too. Given only as
+        # the database's options, they apply when the store is created; a
+        # store opened again gets a default column family with RocksDB's
+        # defaults, no filter (its OPTIONS file says filter_policy=nullptr),
+        # and each miss then reads and decompresses a block of every file.
+        options = _options()
+        self._db = Rdict(str(path), options, column_families={"default": _options()},
+                         access_type=AccessType.with_ttl(max(1, int(ttl_s))))  # fmt: skip
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
@@ -122,6 +125,21 @@ class RocksStore:
 
     def close(self) -> None:
         self._db.close()
+
+
+def _options() -> Any:
+    """The store's options: raw bytes, and a bloom filter on whole keys in
+    the files and in the memtable, where the last minute of entries is."""
+    from rocksdict import BlockBasedOptions, Options
+
+    options = Options(raw_mode=True)
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)
+    options.set_block_based_table_factory(table)
+    options.set_memtable_prefix_bloom_ratio(0.02)
+    options.set_memtable_whole_key_filtering(True)
+    options.create_if_missing(True)
+    return options
 
 
 class ResendIndex:

@@ -84,6 +84,22 @@ def test_the_rocksdb_store_keeps_entries_across_a_restart(tmp_path: Path) -> Non
     again.close()
 
 
+def test_a_reopened_rocksdb_store_keeps_its_bloom_filter(tmp_path: Path) -> None:
+    """A restarted worker opens its store again: misses (a first sight, most
+    records) must still be answered by the filter, not by reading a block of
+    every file. RocksDB writes the options it runs with to an OPTIONS file."""
+
+    def filter_policy() -> list[str]:
+        newest = max((tmp_path / "i").glob("OPTIONS-*"), key=lambda p: int(p.name.split("-")[1]))
+        return [line.strip() for line in newest.read_text().splitlines() if line.strip().startswith("filter_policy=")]
+
+    for _ in range(2):
+        store = RocksStore(tmp_path / "i", int(TTL_S))
+        store.write([(b"k", b"v")])
+        assert filter_policy() == ["filter_policy=bloomfilter"]
+        store.close()
+
+
 def test_an_entry_leaves_out_what_differs_per_delivery() -> None:
     record = {"transaction_id": "t", "action": "approve", "latency_ms": {"total": 3.0}, "correlation_id": "c"}
     assert indexed_value(record) == {"transaction_id": "t", "action": "approve"}
