@@ -60,13 +60,13 @@ HANGING_AFTER_S = 30.0
 class RestoredState(Protocol):
     """What a changelog restores (pipeline.resend_index.ResendIndex)."""
 
-    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]],
+    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]], topic: str,
                 restored_to: dict[int, int] | None = None) -> int:  # fmt: skip
-        """Apply (key, value, timestamp) records and note how far each partition was read; returns entries kept."""
+        """Apply (key, value, timestamp) records and note how far each partition of ``topic`` was read; returns entries kept."""
         ...
 
-    def restored_to(self, partition: int) -> int | None:
-        """The changelog offset ``partition`` was last restored up to, if ever."""
+    def restored_to(self, topic: str, partition: int) -> int | None:
+        """The offset ``topic``'s ``partition`` was last restored up to, if ever."""
         ...
 
 
@@ -147,7 +147,7 @@ class ChangelogRestore:
             starts = []
             for p in sorted(partitions):
                 low, high = marks[p]
-                start = max(low, self.index.restored_to(p) or 0)
+                start = max(low, self._restored_to(p, high) or 0)
                 if start < high:
                     targets[p] = high
                     starts.append(kafka.TopicPartition(self.topic, p, start))
@@ -157,6 +157,22 @@ class ChangelogRestore:
         took = time.monotonic() - started
         log.info("resend index of partitions %s restored: %d entries in %.2f s", sorted(partitions), entries, took)
         self.on_restored(partitions, entries, took)
+
+    def _restored_to(self, partition: int, high: int) -> int | None:
+        """How far this store restored ``partition`` before, if that is still
+        a place in the partition: past its end, the topic was deleted and
+        created again under its name (or lost records), so what the store
+        remembers counts offsets of another log, and the partition is read
+        from its start."""
+        done = self.index.restored_to(self.topic, partition)
+        if done is not None and done > high:
+            log.warning(
+                "the resend index was restored up to offset %d of %s partition %d, past its end %d: the topic "
+                "was created again (or lost records); restoring the partition from its start",
+                done, self.topic, partition, high,
+            )  # fmt: skip
+            return None
+        return done
 
     def _read(self, consumer: Any, starts: list[Any], targets: dict[int, int]) -> int:
         kafka = _kafka()
@@ -197,7 +213,7 @@ class ChangelogRestore:
                 del pending[p]
                 held.pop(p, None)
             # Entries and how far they go in one write: a crash between the two cannot skip entries.
-            entries += self.index.restore(records, done)
+            entries += self.index.restore(records, self.topic, done)
             self.on_progress()
             if pending and time.monotonic() - waiting_since > WAITING_LOG_S:
                 log.warning(

@@ -127,6 +127,14 @@ class RocksStore:
         self._db.close()
 
 
+def _checkpoint(topic: str, partition: int) -> bytes:
+    """Where the store keeps how far it restored a changelog partition: by the
+    topic's name too, since one store outlives a rename of the changelog
+    (another ``FRAUD_APP_ID`` or ``FRAUD_TOPIC_DECISION_INDEX``), whose
+    offsets count from 0 again."""
+    return _CHECKPOINT + topic.encode() + b"/" + str(partition).encode()
+
+
 def _options() -> Any:
     """The store's options: raw bytes, and a bloom filter on whole keys in
     the files and in the memtable, where the last minute of entries is."""
@@ -188,11 +196,11 @@ class ResendIndex:
         hashed = by_hash.encode()
         return by_id.encode(), _HASH_LEN.pack(len(hashed)) + hashed + value
 
-    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]],
+    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]], topic: str,
                 restored_to: dict[int, int] | None = None) -> int:  # fmt: skip
         """Apply changelog records (key, value, timestamp in seconds), and
-        record up to which offset each partition is restored, in one write.
-        Returns how many entries were live (the rest had expired)."""
+        record up to which offset each partition of ``topic`` is restored, in
+        one write. Returns how many entries were live (the rest had expired)."""
         now = self._clock()
         puts: list[tuple[bytes, bytes]] = []
         live = 0
@@ -206,14 +214,14 @@ class ResendIndex:
             puts += ((key, stored), (by_hash, stored))
             live += 1
         for partition, offset in (restored_to or {}).items():
-            puts.append((_CHECKPOINT + str(partition).encode(), str(offset).encode()))
+            puts.append((_checkpoint(topic, partition), str(offset).encode()))
         if puts:
             self.store.write(puts)
         return live
 
-    def restored_to(self, partition: int) -> int | None:
-        """The changelog offset this store restored ``partition`` up to, if ever."""
-        (raw,) = self.store.get_many([_CHECKPOINT + str(partition).encode()])
+    def restored_to(self, topic: str, partition: int) -> int | None:
+        """The offset this store restored ``topic``'s ``partition`` up to, if ever."""
+        (raw,) = self.store.get_many([_checkpoint(topic, partition)])
         return int(raw) if raw is not None else None
 
     def close(self) -> None:

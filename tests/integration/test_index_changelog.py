@@ -184,3 +184,57 @@ def test_a_restarted_worker_reads_only_what_was_written_since(kafka_bootstrap: s
     assert counts == [20, 3]
     assert _found(restarted.index, first + second) == [True] * 23
     restarted.index.close()
+
+
+def test_a_changelog_created_again_under_its_name_is_restored_from_its_start(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A kept store remembers offsets of the log it read: once the topic is
+    deleted and created again (its offsets from 0), entries the new log holds
+    below the old offset are restored all the same, or their resends would be
+    decided again."""
+    topic = f"idx-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    old = [_tx(i) for i in range(30)]
+    producer = _producer(kafka_bootstrap, f"{topic}-w1")
+    producer.begin_transaction()
+    _write(producer, topic, 0, old)
+    producer.commit_transaction(10.0)
+    restore = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    restore({0})
+    assert restore.index.restored_to(topic, 0) is not None and restore.index.restored_to(topic, 0) > 30
+    restore.index.close()
+
+    asyncio.run(_delete(kafka_bootstrap, topic))
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    new = [_tx(i) for i in range(30, 35)]  # far fewer records than the store's offset
+    producer = _producer(kafka_bootstrap, f"{topic}-w2")
+    producer.begin_transaction()
+    _write(producer, topic, 0, new)
+    producer.commit_transaction(10.0)
+
+    counts: list[int] = []
+    again = _restorer(kafka_bootstrap, topic, tmp_path / "store")
+    again.on_restored = lambda _p, entries, _took: counts.append(entries)
+    again({0})
+    assert counts == [5]
+    assert _found(again.index, new) == [True] * 5
+    again.index.close()
+
+
+async def _delete(bootstrap: str, name: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([name])
+    finally:
+        await admin.close()
+    # The broker deletes a topic in the background: wait until its name is free again.
+    from confluent_kafka.admin import AdminClient
+
+    client = AdminClient({"bootstrap.servers": bootstrap})
+    for _ in range(100):
+        if name not in client.list_topics(timeout=5).topics:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name} still listed after its deletion")

@@ -64,9 +64,10 @@ def test_changelog_records_restore_what_was_added(store: IndexStore) -> None:
     records.append((*ResendIndex.changelog_record(old, decision(old)), 1000.0 - TTL_S - 1))  # expired already
 
     index = ResendIndex(store, TTL_S, clock=lambda: clock[0])
-    assert index.restored_to(0) is None
-    assert index.restore(records, {0: 42}) == 5
-    assert index.restored_to(0) == 42 and index.restored_to(1) is None
+    assert index.restored_to("idx", 0) is None
+    assert index.restore(records, "idx", {0: 42}) == 5
+    assert index.restored_to("idx", 0) == 42 and index.restored_to("idx", 1) is None
+    assert index.restored_to("other-idx", 0) is None  # another changelog's offsets count from 0 again
     assert [f is not None for f in index.get_many([*txs, old])] == [True] * 5 + [False]
     renamed = dataclasses.replace(txs[2], transaction_id="t-new")
     assert orjson.loads(index.get_many([renamed])[0] or b"null")["transaction_id"] == "t-2"
@@ -77,10 +78,10 @@ def test_changelog_records_restore_what_was_added(store: IndexStore) -> None:
 def test_the_rocksdb_store_keeps_entries_across_a_restart(tmp_path: Path) -> None:
     index = ResendIndex(RocksStore(tmp_path / "i", int(TTL_S)), TTL_S)
     index.add([(tx(1), decision(tx(1)))])
-    index.restore([], {3: 17})
+    index.restore([], "idx", {3: 17})
     index.close()
     again = ResendIndex(RocksStore(tmp_path / "i", int(TTL_S)), TTL_S)
-    assert again.get_many([tx(1)]) != [None] and again.restored_to(3) == 17
+    assert again.get_many([tx(1)]) != [None] and again.restored_to("idx", 3) == 17
     again.close()
 
 
