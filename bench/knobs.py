@@ -31,6 +31,10 @@ KNOBS: dict[str, dict[str, str]] = {
     "faust_sensors": {"FRAUD_FAUST_SENSORS": "true"},
     "linger_5ms": {"FRAUD_PRODUCER_LINGER_S": "0.005"},
     "linger_10ms": {"FRAUD_PRODUCER_LINGER_S": "0.010"},
+    # Records held until the commit flushes them (Kafka Streams' producer
+    # linger): one produce request per transaction instead of one per partition
+    # whose linger ran out.
+    "linger_100ms": {"FRAUD_PRODUCER_LINGER_S": "0.1"},
     # The scoring consumer's fetches: fewer, fuller ones for the broker to serve.
     "fetch_min_32k": {"FRAUD_FETCH_MIN_BYTES": "32768", "FRAUD_CONSUMER_FETCH_MAX_WAIT_MS": "10"},
     # An idle consumer's long poll: how often it asks when there is nothing to read.

@@ -163,6 +163,9 @@ class Plan:
     fresh_rate: float | None = None
     """A fresh worker's first ``fresh_s`` seconds after Ready under load at this rate (outside shape)."""
     fresh_s: float = 5.0
+    broker_warmup: tuple[float, float] | None = None
+    """(rate, seconds) of the batched pipeline's load on the new broker before
+    anything is measured, decided and thrown away: see FULL_PLAN."""
 
 
 FULL_PLAN = Plan(
@@ -201,6 +204,14 @@ FULL_PLAN = Plan(
         Leg(BATCHED_X2, (1000.0, 2000.0, 4000.0), Phase(4.0, 8.0, 5.0), Phase(4.0, 4.0, 2.0), (2, 0)),
     ),
     fresh_rate=1500.0,
+    # NOTE: a broker just started compiles its hot paths meanwhile: 12-22 s
+    # into its first load (2,000 TPS, the pipeline), its C2 compiler thread
+    # took 35 % of a core, as much as the threads serving requests (40 %), and
+    # the first cell of an A/B run on a new broker cost it ~100 % of a core
+    # against 45-60 % for the same cell later (bench/knobs.py). Unwarmed, that
+    # fell on `bare`'s first rates, measured first. The pipeline's load, so
+    # that transactions, markers and read_committed fetches are compiled too.
+    broker_warmup=(1000.0, 20.0),
 )
 QUICK_PLAN = Plan(
     quick=True,

@@ -5,7 +5,9 @@
 # worker, every thread) and .json (the share of samples per pipeline stage),
 # and prints the functions with the most samples (self and inclusive).
 # FRAUD_* settings in the environment reach the worker (FRAUD_BATCH_SIZE=...);
-# PYSPY_RATE sets the samples per second (100; more for a quiet worker).
+# PYSPY_RATE sets the samples per second (100; more for a quiet worker);
+# PYSPY_ARGS replaces the raw sampler's --nonblocking (--native: C and Rust
+# frames too, which needs the worker paused at each sample).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-750}; DURATION=${2:-30}; LABEL=${3:-worker}
@@ -46,7 +48,7 @@ LOAD=$!
 sleep $(( DURATION / 4 ))
 # Two samplers side by side (neither stops the process): raw stacks to count, a flame graph to look at.
 $BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format raw --output "$RAW" --threads \
-  --rate "${PYSPY_RATE:-100}" --nonblocking >/dev/null 2>&1 &
+  --rate "${PYSPY_RATE:-100}" ${PYSPY_ARGS:---nonblocking} >/dev/null 2>&1 &
 $BIN/py-spy record --pid "$WORKER_PID" --duration $(( DURATION / 2 )) --format flamegraph --output "$SVG" --threads \
   --rate "${PYSPY_RATE:-100}" --nonblocking >/dev/null 2>&1 || true
 wait $LOAD

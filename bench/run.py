@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import streams_peer
-from bench.plan import FULL_PLAN, QUICK_PLAN, REPO, RESULTS_DIR, Variant, sweep_variants
+from bench.plan import BATCHED, FULL_PLAN, QUICK_PLAN, REPO, RESULTS_DIR, Variant, sweep_variants
 from bench.procs import machine_info, python_loop_ms
 from bench.report import SCHEMA, _plan_doc, _settings_doc, format_report, write_results
 from bench.runner import Bench
@@ -134,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare(svc)
         bench = Bench(plan, svc, workdir, started)
         bench.reserve_s = sum(leg.min_s for leg in plan.legs) + (30.0 if plan.fresh_rate else 0.0)
+        bench.warm_broker(BATCHED)
         for variant in main_variants:
             bench.main_variant(variant)
         for leg in plan.legs:

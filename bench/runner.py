@@ -142,6 +142,25 @@ class Bench:
         print("bench:   " + _row(record), flush=True)
         return record
 
+    def warm_broker(self, variant: Variant) -> None:
+        """Load the new broker with ``variant`` at the plan's warm-up rate and
+        length before anything is measured; nothing of it is kept (Plan.broker_warmup)."""
+        from tools.loadgen import LoadConfig, run_load
+
+        if self.plan.broker_warmup is None:
+            return
+        rate, seconds = self.plan.broker_warmup
+        worker = self._start(variant)
+        try:
+            assert isinstance(worker, Worker), "the broker is warmed by the inside shape"
+            cfg = LoadConfig(rate=rate, duration_s=seconds, drain_s=5.0, data=POPULATION, seed=self._seed,
+                             quiet=True, verify_share=0.0, settings=worker.settings, prebuild=True)  # fmt: skip
+            summary = asyncio.run(run_load(cfg))
+            print(f"bench: broker warmed up: {seconds:.0f} s of {variant.name} at {rate:,.0f} TPS "
+                  f"({summary.get('decided', 0):,} decided, not kept)", flush=True)  # fmt: skip
+        finally:
+            self._stop(worker)
+
     def _afford(self, seconds: float, reserve: float = 0.0) -> bool:
         return time.monotonic() + seconds + reserve <= self.deadline
 
