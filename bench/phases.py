@@ -12,18 +12,26 @@ window's wall time, the calls per second and the mean. Beside them, how long
 Redis itself ran each batch script (``EVALSHA`` in its SLOWLOG), so that a
 round trip splits into Redis's part and the worker's (building the call,
 reading the reply, waiting for a core).
+
+And the broker's side of the same window: its CPU by thread (``/proc``:
+request handlers, network threads, the JIT compiler, the transaction marker
+sender) and its requests by type, with the time its request handlers spent
+on each (``RequestsPerSec`` and ``LocalTimeMs`` over JMX, read by Kafka's own
+``JmxTool``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["histograms", "main", "report", "script_ms"]
+__all__ = ["broker_requests", "histograms", "main", "report", "script_ms", "thread_cpu"]
 
 _SAMPLE = re.compile(r"^(fraud_[a-z_]+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$")
 #: The histograms reported, by metric name.
@@ -65,6 +73,78 @@ def script_ms(slowlog: Iterable[dict[str, Any]]) -> list[float]:
     return [e["duration"] / 1000.0 for e in slowlog if e["command"].split(" ", 1)[0].lower() == "evalsha"]
 
 
+_JMX = re.compile(r"^kafka\.network:type=RequestMetrics,name=(RequestsPerSec|LocalTimeMs),request=(\w+)"
+                  r"(?:,version=\d+)?:(Count|Mean)=([0-9.eE+-]+)$")
+
+
+def _jmx(text: str) -> tuple[float | None, dict[str, dict[str, float]]]:
+    """JmxTool's properties report: its time (ms) and per request type the
+    request count and the local time's sum (ms), versions added up."""
+    at: float | None = None
+    out: dict[str, dict[str, float]] = {}
+    means: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("time="):
+            at = float(line.split("=", 1)[1])
+            continue
+        m = _JMX.match(line)
+        if m is None:
+            continue
+        name, request, attribute, value = m.groups()
+        if name == "RequestsPerSec" and attribute == "Count":
+            row = out.setdefault(request, {"count": 0.0, "local_ms": 0.0})
+            row["count"] += float(value)
+        elif name == "LocalTimeMs":
+            (means if attribute == "Mean" else counts)[request] = float(value)
+    for request, mean in means.items():
+        out.setdefault(request, {"count": 0.0, "local_ms": 0.0})["local_ms"] = mean * counts.get(request, 0.0)
+    return at, out
+
+
+def broker_requests(before: str, after: str) -> dict[str, dict[str, float]]:
+    """Per request type between two JmxTool reports: requests per second, and
+    the request handlers' local time (ms) per second and per request. Rates
+    are over the reports' own times."""
+    t0, a = _jmx(before)
+    t1, b = _jmx(after)
+    if t0 is None or t1 is None or t1 <= t0:
+        return {}
+    wall = (t1 - t0) / 1000.0
+    out: dict[str, dict[str, float]] = {}
+    for request, row in b.items():
+        old = a.get(request, {"count": 0.0, "local_ms": 0.0})
+        n, local = row["count"] - old["count"], row["local_ms"] - old["local_ms"]
+        if n > 0:
+            out[request] = {"per_s": round(n / wall, 1), "local_ms_per_s": round(local / wall, 2),
+                            "local_us_each": round(local / n * 1000, 1)}  # fmt: skip
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["per_s"]))
+
+
+#: A thread's number in its name (``GC Thread#1``, ``...-handler-3``), not a
+#: name's own digits (``C2 CompilerThread0``: the compiler, C2).
+_NUMBERED = re.compile(r"(?<=[#-])[0-9]+|[0-9]+$")
+
+
+def thread_cpu(before: str, after: str, wall_s: float, ticks_per_s: float) -> dict[str, float]:
+    """% of one core per thread name between two listings of ``ticks name``
+    lines (utime + stime of each of a process's threads; ``comm``, so at most
+    15 characters), threads of one name but for their numbers added up."""
+
+    def totals(text: str) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for line in text.splitlines():
+            ticks, _, name = line.strip().partition(" ")
+            if ticks.isdigit():
+                out[_NUMBERED.sub("N", name)] += int(ticks)
+        return out
+
+    a, b = totals(before), totals(after)
+    used = {name: (b[name] - a.get(name, 0)) / ticks_per_s / wall_s * 100 for name in b}
+    return {name: round(pct, 1) for name, pct in sorted(used.items(), key=lambda kv: -kv[1]) if pct >= 0.1}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", type=Path, help="the first /metrics scrape")
@@ -72,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wall", type=float, required=True, help="seconds between the two")
     parser.add_argument("--slowlog", type=Path, help="SLOWLOG GET over the window, as JSON (bench/phases.sh)")
     parser.add_argument("--extra", type=Path, help="a JSON object of figures to keep beside (CPU, rate, machine)")
+    parser.add_argument("--broker-threads", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="the broker's threads as 'ticks name' lines, at the window's ends")
+    parser.add_argument("--broker-jmx", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="JmxTool's reports of the broker's request metrics, at the window's ends")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     result: dict[str, Any] = json.loads(args.extra.read_text()) if args.extra else {}
@@ -83,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             n = len(durations)
             result["redis_script_ms"] = {"calls": n, "mean": round(sum(durations) / n, 2),
                                          "p50": durations[n // 2], "p90": durations[int(n * 0.9)]}  # fmt: skip
+    if args.broker_threads is not None:
+        before, after = (p.read_text() for p in args.broker_threads)
+        result["broker_thread_cpu_pct"] = thread_cpu(before, after, args.wall, os.sysconf("SC_CLK_TCK"))
+    if args.broker_jmx is not None:
+        before, after = (p.read_text() for p in args.broker_jmx)
+        result["broker_requests"] = broker_requests(before, after)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for key, row in sorted(result["histograms"].items(), key=lambda kv: -kv[1]["share_of_wall"]):
         print(f"{key:64s} {row['share_of_wall'] * 100:5.1f} % of wall  {row['per_s']:7.1f}/s  "
@@ -90,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     if "redis_script_ms" in result:
         s = result["redis_script_ms"]
         print(f"the batch script inside Redis: {s['calls']} calls, mean {s['mean']} ms, p50 {s['p50']}, p90 {s['p90']}")
+    for name, pct in result.get("broker_thread_cpu_pct", {}).items():
+        if pct >= 1.0:
+            print(f"broker thread {name:32s} {pct:5.1f} % of a core")
+    for name, row in result.get("broker_requests", {}).items():
+        print(f"broker {name:28s} {row['per_s']:8.1f}/s  handlers' local time {row['local_ms_per_s']:7.2f} ms/s "
+              f"({row['local_us_each']:.1f} µs each)")  # fmt: skip
     for key in ("worker_cpu_pct", "redis_cpu_pct", "decided_per_s"):
         if key in result:
             print(f"{key}: {result[key]}")

@@ -3,7 +3,9 @@
 #   bench/phases.sh [RATE] [DURATION_S] [LABEL]
 # One worker with default settings (the bench's rate limits) on topics of its
 # own; after 12 s of load, two scrapes of its /metrics 10 s apart, the worker's
-# and Redis's CPU over them, and Redis's SLOWLOG of the batch script meanwhile.
+# and Redis's CPU over them, and Redis's SLOWLOG of the batch script meanwhile;
+# the broker's CPU by thread and its requests by type (JMX, opened with jcmd
+# and read by Kafka's JmxTool; left out where the JDK has no jcmd).
 # Writes bench/results/phases-<label>-<rate>.json. FRAUD_* settings in the
 # environment reach the worker. DURATION_S must leave the window inside the
 # load (at least 25).
@@ -56,13 +58,31 @@ PY
 }
 # After the load generator's start-up and the worker's first backlog: the
 # window must hold no idle take (each waits up to 0.25 s for a record).
+BROKER_PID=$(cat .stack/broker.pid)
+threads() { for t in /proc/"$BROKER_PID"/task/*; do echo "$(awk '{print $14+$15}' "$t/stat") $(cat "$t/comm")"; done; }
+BROKER_ARGS=(--broker-threads "$TMP/threads-before.txt" "$TMP/threads-after.txt")
+jmx() { :; }
+if command -v jcmd >/dev/null; then
+  # JMX on loopback only, for this broker's life (tools.stack down ends it).
+  JMX_PORT=$($BIN/python -c "from tools.stack import free_port; print(free_port())")
+  jcmd "$BROKER_PID" ManagementAgent.start "jmxremote.port=$JMX_PORT" "jmxremote.rmi.port=$JMX_PORT" \
+    jmxremote.host=127.0.0.1 jmxremote.authenticate=false jmxremote.ssl=false >/dev/null
+  CLASSPATH_KAFKA=$($BIN/python -c "from tools.stack.broker import kafka_classpath; print(kafka_classpath())")
+  jmx() { java -cp "$CLASSPATH_KAFKA" org.apache.kafka.tools.JmxTool --one-time true --report-format properties \
+    --jmx-url "service:jmx:rmi:///jndi/rmi://127.0.0.1:$JMX_PORT/jmxrmi" --attributes Count,Mean \
+    --object-name 'kafka.network:type=RequestMetrics,name=RequestsPerSec,request=*,version=*' \
+    --object-name 'kafka.network:type=RequestMetrics,name=LocalTimeMs,request=*' > "$1" 2>/dev/null || true; }
+  BROKER_ARGS+=(--broker-jmx "$TMP/jmx-before.txt" "$TMP/jmx-after.txt")
+fi
 sleep 12
 redis watch
+jmx "$TMP/jmx-before.txt"
 curl -s "localhost:$PORT/metrics" > "$TMP/before.txt"
-T0=$(date +%s.%N); C0=$(awk '{print $14+$15}' "/proc/$WORKER_PID/stat"); R0=$(redis cpu)
+T0=$(date +%s.%N); C0=$(awk '{print $14+$15}' "/proc/$WORKER_PID/stat"); R0=$(redis cpu); threads > "$TMP/threads-before.txt"
 sleep 10
 curl -s "localhost:$PORT/metrics" > "$TMP/after.txt"
-T1=$(date +%s.%N); C1=$(awk '{print $14+$15}' "/proc/$WORKER_PID/stat"); R1=$(redis cpu)
+T1=$(date +%s.%N); C1=$(awk '{print $14+$15}' "/proc/$WORKER_PID/stat"); R1=$(redis cpu); threads > "$TMP/threads-after.txt"
+jmx "$TMP/jmx-after.txt"
 redis dump > "$TMP/slowlog.json"
 wait $LOAD || true
 tail -1 "$TMP/load.log"
@@ -80,4 +100,5 @@ print(json.dumps({
 }))
 PY
 $BIN/python -m bench.phases "$TMP/before.txt" "$TMP/after.txt" --wall "$(python3 -c "print($T1 - $T0)")" \
-  --slowlog "$TMP/slowlog.json" --extra "$TMP/extra.json" --out "bench/results/phases-${LABEL}-${RATE}.json"
+  --slowlog "$TMP/slowlog.json" --extra "$TMP/extra.json" "${BROKER_ARGS[@]}" \
+  --out "bench/results/phases-${LABEL}-${RATE}.json"

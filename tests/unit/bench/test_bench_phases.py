@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.phases import histograms, report, script_ms
+from bench.phases import broker_requests, histograms, report, script_ms, thread_cpu
 
 BEFORE = """# HELP fraud_loop_seconds The scoring loop's time per step, by phase
 fraud_loop_seconds_bucket{le="0.001",phase="take"} 3.0
@@ -50,3 +50,49 @@ def test_the_batch_scripts_durations_are_read_from_the_slowlog_in_ms() -> None:
         {"duration": 21500, "command": "evalsha 3f2a 9 k1"},
     ]
     assert script_ms(entries) == [14.0, 21.5]
+
+
+# Kafka's JmxTool, --report-format properties (two versions of Produce counted apart by the broker).
+JMX_BEFORE = """time=1000000
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=Produce:Count=1000
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=Produce:Mean=0.02
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=WriteTxnMarkers:Count=10
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=WriteTxnMarkers:Mean=0.5
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=Produce,version=9:Count=400
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=Produce,version=10:Count=600
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=WriteTxnMarkers,version=2:Count=10
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=Heartbeat,version=4:Count=7
+"""
+JMX_AFTER = """time=1010000
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=Produce:Count=3000
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=Produce:Mean=0.03
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=WriteTxnMarkers:Count=110
+kafka.network:type=RequestMetrics,name=LocalTimeMs,request=WriteTxnMarkers:Mean=0.5
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=Produce,version=9:Count=400
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=Produce,version=10:Count=2600
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=WriteTxnMarkers,version=2:Count=110
+kafka.network:type=RequestMetrics,name=RequestsPerSec,request=Heartbeat,version=4:Count=7
+"""
+
+
+def test_broker_requests_are_rates_over_the_reports_own_times_with_the_handlers_time_each() -> None:
+    rows = broker_requests(JMX_BEFORE, JMX_AFTER)
+    # 2,000 more Produce requests in 10 s; local time went from 1,000 x 0.02 ms to 3,000 x 0.03 ms.
+    assert rows["Produce"] == {"per_s": 200.0, "local_ms_per_s": 7.0, "local_us_each": 35.0}
+    assert rows["WriteTxnMarkers"] == {"per_s": 10.0, "local_ms_per_s": 5.0, "local_us_each": 500.0}
+    assert "Heartbeat" not in rows  # none within the window
+    assert list(rows) == ["Produce", "WriteTxnMarkers"]  # the busiest first
+
+
+def test_broker_requests_need_two_reports_in_order() -> None:
+    assert broker_requests(JMX_AFTER, JMX_BEFORE) == {}
+    assert broker_requests("", JMX_AFTER) == {}
+
+
+def test_thread_cpu_adds_up_threads_whose_names_differ_by_their_numbers() -> None:
+    before = "100 data-plane-kafk\n50 data-plane-kafk\n10 C2 CompilerThre\n5 GC Thread#0\n"
+    after = "300 data-plane-kafk\n150 data-plane-kafk\n210 C2 CompilerThre\n5 GC Thread#0\n30 GC Thread#1\n"
+    # 10 s at 100 ticks a second: 1,000 ticks are one core.
+    assert thread_cpu(before, after, wall_s=10.0, ticks_per_s=100) == {
+        "data-plane-kafk": 30.0, "C2 CompilerThre": 20.0, "GC Thread#N": 3.0,
+    }  # fmt: skip
