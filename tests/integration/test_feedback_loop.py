@@ -281,9 +281,16 @@ def test_a_shadow_model_is_logged_in_feedback_and_never_decides(loop: Loop) -> N
     docs = [loop.make_tx(currency="USD") for _ in range(40)]
     decided = asyncio.run(_decide(loop, [tx_msg(d) for d in docs]))
     ids = {d["transaction_id"] for d in docs}
-    feedback = {r["decision"]["transaction_id"]: r for r in loop.records(loop.topics.feedback)
-                if r["decision"]["transaction_id"] in ids}  # fmt: skip
-    assert set(feedback) == ids
+
+    # NOTE: waited for, not read once: a transaction's markers are written
+    # partition by partition, so its decisions can be readable (committed)
+    # a moment before its feedback records on other partitions are.
+    def all_feedback() -> dict[str, dict[str, Any]] | None:
+        found = {r["decision"]["transaction_id"]: r for r in loop.records(loop.topics.feedback)
+                 if r["decision"]["transaction_id"] in ids}  # fmt: skip
+        return found if set(found) == ids else None
+
+    feedback: dict[str, dict[str, Any]] = _wait("every decision's feedback record", all_feedback, loop)
     differ = 0
     for txid, decision in decided.items():
         shadow = feedback[txid]["shadow"]
