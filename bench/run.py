@@ -81,7 +81,7 @@ from bench.workers import prepare, services
 
 __all__ = ["main"]
 
-#: What a fresh worker's first seconds are kept (a worker start, 5 s of load,
+#: Seconds kept for a fresh worker's first seconds (a worker start, 5 s of load,
 #: a drain of 10 s, a stop, with room for a slow start).
 FRESH_RESERVE_S = 45.0
 

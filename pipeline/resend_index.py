@@ -89,7 +89,7 @@ class RocksStore:
 
     A bloom filter answers most misses (a first sight, the common case)
     without reading a block: in a batch read of a store opened again with
-    ~560,000 keys, 0.5 µs a key against 7.9 µs without (most of it reading
+    ~490,000 keys, 0.5 µs a key against 7.9 µs without (most of it reading
     and decompressing blocks). RocksDB's own TTL drops entries older than ``ttl_s`` at
     compaction, which bounds the disk; an entry's expiry is also in its value
     (restored entries are written late), and reads check that one.
