@@ -14,7 +14,12 @@ from typing import Any
 import faust
 from faust.exceptions import AlreadyConfiguredWarning
 
-from app.seams import install_commit_past_gaps, install_read_committed, install_wait_topic_visible
+from app.seams import (
+    install_commit_past_gaps,
+    install_flush_drains_buffer,
+    install_read_committed,
+    install_wait_topic_visible,
+)
 from app.settings import Settings
 from app.topics import cluster_replicas, kafka_auth
 
@@ -75,6 +80,7 @@ def base_app(settings: Settings) -> faust.App:
     install_read_committed()
     install_wait_topic_visible()
     install_commit_past_gaps()  # feedback is transactional: its markers must not hold the commits back
+    install_flush_drains_buffer()  # a commit covers the merchant tally's writes only once they are sent
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = ProjectApp(
         settings,

@@ -17,6 +17,9 @@ The seams:
 - :func:`install_commit_past_gaps`: patches faust's ``Consumer._add_gap`` and
   ``Consumer._new_offset`` so offsets the consumer never sees (transaction
   markers, aborted records) do not hold its commits back.
+- :func:`install_flush_drains_buffer`: patches faust's
+  ``ProducerBuffer.flush`` and ``_send_pending`` so that the flush before a
+  commit waits for every table write still in faust's own buffer.
 - :func:`cluster_metadata`: aiokafka's ``AIOKafkaConsumer._client`` and
   ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
 - :func:`admin_request`: aiokafka's ``AIOKafkaAdminClient._send_request``
@@ -37,8 +40,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 __all__ = [
-    "admin_request", "cluster_metadata", "install_commit_past_gaps", "install_read_committed",
-    "install_wait_topic_visible", "send_raw",
+    "admin_request", "cluster_metadata", "install_commit_past_gaps", "install_flush_drains_buffer",
+    "install_read_committed", "install_wait_topic_visible", "send_raw",
 ]  # fmt: skip
 
 
@@ -206,6 +209,68 @@ def install_commit_past_gaps() -> None:
     _new_offset._fraud_patched = True  # type: ignore[attr-defined]
     consumer_cls._add_gap = _add_gap  # type: ignore[method-assign]
     consumer_cls._new_offset = _new_offset  # type: ignore[method-assign]
+
+
+# --- the producer buffer's flush before a commit -------------------------------------------------
+
+
+def install_flush_drains_buffer() -> None:
+    """Make faust's flush before a commit wait for every buffered table write.
+
+    Upstream: faust-streaming 0.15.3, ``faust.transport.producer.ProducerBuffer``:
+    a table's changelog writes go to it (``Table.send_changelog`` calls
+    ``send_soon``), and its ``_handle_pending`` task takes each one off the
+    queue and awaits ``_send_pending`` (aiokafka's ``send``) for it. Before
+    committing a source's offsets, ``Consumer._commit_offsets`` awaits
+    ``Producer.flush``: ``ProducerBuffer.flush``, then aiokafka's own flush
+    (which waits for what aiokafka holds to be acknowledged).
+
+    NOTE: two faults upstream made that flush return with writes unsent, and
+    the commit then covered the labels whose counts they held:
+
+    - ``flush`` (``flush_atmost(None)``) returns as soon as 0.1 s pass with
+      no message sent. While a partition's leader is lost, aiokafka's
+      ``send`` waits for room in that partition's batch, which a write of the
+      merchant tally (its recent verdicts, kilobytes) fills at once, for
+      seconds; the writes queued behind it stayed in faust's buffer.
+    - the buffer's ``size`` counts the queue only: the write being handed to
+      aiokafka has left the queue and is in neither.
+
+    A worker stopped then lost those writes with their labels' offsets
+    committed (a merchant tally short of its labels after a broker loss and
+    a restart, tests/integration/test_cluster_faults.py). Here the flush waits
+    while the queue holds a write or one is being handed over; it raises as
+    upstream's does once the buffer is not running (stopped, or its sending
+    task crashed), so the commit fails rather than skips a write.
+    """
+    import asyncio
+
+    from faust.transport.producer import ProducerBuffer
+
+    original_send = ProducerBuffer._send_pending
+    if getattr(original_send, "_fraud_patched", False):
+        return
+
+    async def _send_pending(self: Any, fut: Any) -> None:
+        self._fraud_handing_over = True
+        try:
+            await original_send(self, fut)
+        finally:
+            self._fraud_handing_over = False
+
+    async def flush(self: Any) -> None:
+        while self.size or getattr(self, "_fraud_handing_over", False):
+            if self.state != "running":
+                raise RuntimeError("Cannot flush: Producer not Running")
+            self.message_sent.clear()
+            try:
+                await asyncio.wait_for(self.message_sent.wait(), timeout=0.1)
+            except TimeoutError:
+                continue  # a send waits on the broker: keep waiting (the commit waits with it)
+
+    _send_pending._fraud_patched = True  # type: ignore[attr-defined]
+    ProducerBuffer._send_pending = _send_pending  # type: ignore[method-assign]
+    ProducerBuffer.flush = flush  # type: ignore[method-assign]
 
 
 # --- metadata -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import faust
@@ -171,6 +172,51 @@ def test_offsets_below_a_delivered_unacked_message_are_not_taken_for_skipped(app
     consumer._committed_offset[tp] = consumer._new_offset(tp)
     assert consumer._committed_offset[tp] == 3
     assert consumer._new_offset(tp) == 5
+
+
+# --- install_flush_drains_buffer -----------------------------------------------------------------
+
+
+def test_the_flush_before_a_commit_waits_for_every_buffered_write(app: faust.App) -> None:
+    """A table write waits on the broker (a partition's leader lost) while a
+    second one is queued behind it: the flush a commit awaits returns only once
+    both are handed to aiokafka. Upstream's returned after 0.1 s without a
+    message sent, and the commit covered writes never made."""
+    from faust.transport.producer import ProducerBuffer
+
+    seams.install_flush_drains_buffer()
+    assert getattr(ProducerBuffer._send_pending, "_fraud_patched", False)
+
+    async def scenario() -> tuple[bool, list[int]]:
+        release = asyncio.Event()
+        handed: list[int] = []
+
+        async def publish_message(fut: Any, wait: bool = False) -> None:  # aiokafka's send, stalled
+            await release.wait()
+            handed.append(fut.n)
+
+        def write(n: int) -> Any:
+            return SimpleNamespace(n=n, message=SimpleNamespace(channel=SimpleNamespace(publish_message=publish_message)))
+
+        buffer = ProducerBuffer()
+        buffer.app = app
+        await buffer.start()
+        try:
+            buffer.put(write(1))
+            buffer.put(write(2))
+            await asyncio.sleep(0.05)  # the first is being handed over, the second queued
+            flushing = asyncio.ensure_future(buffer.flush())
+            await asyncio.sleep(0.4)
+            returned_early = flushing.done()
+            release.set()
+            await asyncio.wait_for(flushing, 5)
+            return returned_early, handed
+        finally:
+            await buffer.stop()
+
+    returned_early, handed = asyncio.run(scenario())
+    assert not returned_early, "the flush returned while writes were still in faust's buffer"
+    assert handed == [1, 2]
 
 
 # --- cluster_metadata -----------------------------------------------------------------------------
