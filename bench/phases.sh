@@ -4,7 +4,7 @@
 # One worker with default settings (the bench's rate limits) on topics of its
 # own; after 12 s of load, two scrapes of its /metrics 10 s apart, the worker's
 # and Redis's CPU over them, and Redis's SLOWLOG of the batch script meanwhile;
-# the broker's CPU by thread and its requests by type (JMX, opened with jcmd
+# the broker's CPU by thread (and its kernel share) and its requests by type (JMX, opened with jcmd
 # and read by Kafka's JmxTool; left out where the JDK has no jcmd).
 # Writes bench/results/phases-<label>-<rate>.json. FRAUD_* settings in the
 # environment reach the worker. DURATION_S must leave the window inside the
@@ -39,7 +39,10 @@ $BIN/fraud-pipeline materialize --data $POPULATION >/dev/null 2>&1
 $BIN/fraud-pipeline worker > .stack/phases-worker.log 2>&1 &
 WORKER_PID=$!
 for _ in $(seq 1 120); do grep -q "Ready" .stack/phases-worker.log && break; sleep 0.5; done
-$BIN/fraud-pipeline loadgen --rate 100 --duration 5 --data $POPULATION --every 5 --verify-share 0.02 >/dev/null || true
+# PHASES_WARM_RATE / PHASES_WARM_S: load before the measured run (a new broker spends
+# minutes of a core compiling its hot paths: 1000 and 40 leave less of that in the window).
+$BIN/fraud-pipeline loadgen --rate "${PHASES_WARM_RATE:-100}" --duration "${PHASES_WARM_S:-5}" --data $POPULATION \
+  --every 5 --verify-share 0.02 >/dev/null || true
 $BIN/fraud-pipeline loadgen --rate "$RATE" --duration "$DURATION" --data $POPULATION --every 5 --verify-share 0.02 \
   --json "$TMP/load.json" > "$TMP/load.log" 2>&1 &
 LOAD=$!
@@ -59,7 +62,7 @@ PY
 # After the load generator's start-up and the worker's first backlog: the
 # window must hold no idle take (each waits up to 0.25 s for a record).
 BROKER_PID=$(cat .stack/broker.pid)
-threads() { for t in /proc/"$BROKER_PID"/task/*; do echo "$(awk '{print $14+$15}' "$t/stat") $(cat "$t/comm")"; done; }
+threads() { for t in /proc/"$BROKER_PID"/task/*; do cat "$t/stat"; done; }
 BROKER_ARGS=(--broker-threads "$TMP/threads-before.txt" "$TMP/threads-after.txt")
 jmx() { :; }
 if command -v jcmd >/dev/null; then
@@ -74,15 +77,26 @@ if command -v jcmd >/dev/null; then
     --object-name 'kafka.network:type=RequestMetrics,name=LocalTimeMs,request=*' > "$1" 2>/dev/null || true; }
   BROKER_ARGS+=(--broker-jmx "$TMP/jmx-before.txt" "$TMP/jmx-after.txt")
 fi
+# PHASES_JFR=1: a JDK Flight Recorder profile of the broker over the window (its
+# Java threads' execution samples; their kernel time is in the threads' stime).
+jfr_start() { :; }; jfr_stop() { :; }
+if [[ -n "${PHASES_JFR:-}" ]] && command -v jfr >/dev/null && command -v jcmd >/dev/null; then
+  jfr_start() { jcmd "$BROKER_PID" JFR.start name=phases settings=profile >/dev/null; }
+  jfr_stop() { jcmd "$BROKER_PID" JFR.stop name=phases filename="$TMP/broker.jfr" >/dev/null \
+    && jfr print --json --events jdk.ExecutionSample "$TMP/broker.jfr" > "$TMP/jfr.json" \
+    && BROKER_ARGS+=(--broker-jfr "$TMP/jfr.json"); }
+fi
 sleep 12
 redis watch
 jmx "$TMP/jmx-before.txt"
 curl -s "localhost:$PORT/metrics" > "$TMP/before.txt"
+jfr_start || true
 T0=$(date +%s.%N); C0=$(awk '{print $14+$15}' "/proc/$WORKER_PID/stat"); R0=$(redis cpu); threads > "$TMP/threads-before.txt"
 sleep 10
 curl -s "localhost:$PORT/metrics" > "$TMP/after.txt"
 T1=$(date +%s.%N); C1=$(awk '{print $14+$15}' "/proc/$WORKER_PID/stat"); R1=$(redis cpu); threads > "$TMP/threads-after.txt"
 jmx "$TMP/jmx-after.txt"
+jfr_stop || true
 redis dump > "$TMP/slowlog.json"
 wait $LOAD || true
 tail -1 "$TMP/load.log"

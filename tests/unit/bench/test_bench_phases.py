@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.phases import broker_requests, histograms, report, script_ms, thread_cpu
+from typing import Any
+
+from bench.phases import broker_requests, histograms, jfr_top, report, script_ms, thread_cpu
 
 BEFORE = """# HELP fraud_loop_seconds The scoring loop's time per step, by phase
 fraud_loop_seconds_bucket{le="0.001",phase="take"} 3.0
@@ -89,10 +91,48 @@ def test_broker_requests_need_two_reports_in_order() -> None:
     assert broker_requests("", JMX_AFTER) == {}
 
 
+def _stat(tid: int, name: str, utime: int, stime: int) -> str:
+    """A /proc/<pid>/task/<tid>/stat line as Linux writes it (fields 3-13 and 16 on made up)."""
+    return f"{tid} ({name}) S 1 1 1 0 -1 4194624 10 0 0 0 {utime} {stime} 0 0 20 0 40 0 100 0 0"
+
+
 def test_thread_cpu_adds_up_threads_whose_names_differ_by_their_numbers() -> None:
-    before = "100 data-plane-kafk\n50 data-plane-kafk\n10 C2 CompilerThre\n5 GC Thread#0\n"
-    after = "300 data-plane-kafk\n150 data-plane-kafk\n210 C2 CompilerThre\n5 GC Thread#0\n30 GC Thread#1\n"
+    before = "\n".join([_stat(1, "data-plane-kafk", 60, 40), _stat(2, "data-plane-kafk", 30, 20),
+                        _stat(3, "C2 CompilerThre", 10, 0), _stat(4, "GC Thread#0", 5, 0)])  # fmt: skip
+    after = "\n".join([_stat(1, "data-plane-kafk", 160, 140), _stat(2, "data-plane-kafk", 80, 70),
+                       _stat(3, "C2 CompilerThre", 209, 1), _stat(4, "GC Thread#0", 5, 0),
+                       _stat(5, "GC Thread#1", 30, 0)])  # fmt: skip
     # 10 s at 100 ticks a second: 1,000 ticks are one core.
     assert thread_cpu(before, after, wall_s=10.0, ticks_per_s=100) == {
         "data-plane-kafk": 30.0, "C2 CompilerThre": 20.0, "GC Thread#N": 3.0,
     }  # fmt: skip
+    # The kernel's share alone; a name with a space does not shift the fields read.
+    assert thread_cpu(before, after, wall_s=10.0, ticks_per_s=100, kernel=True) == {
+        "data-plane-kafk": 15.0, "C2 CompilerThre": 0.1,
+    }  # fmt: skip
+
+
+def _sample(thread: str, *methods: str) -> dict[str, Any]:
+    """One jdk.ExecutionSample event as `jfr print --json` writes it (innermost frame first)."""
+    frames = [{"method": {"type": {"name": m.rpartition(".")[0].replace(".", "/")}, "name": m.rpartition(".")[2]}}
+              for m in methods]  # fmt: skip
+    return {
+        "type": "jdk.ExecutionSample",
+        "values": {"sampledThread": {"javaName": thread}, "stackTrace": {"frames": frames}},
+    }
+
+
+def test_jfr_top_shares_samples_by_thread_own_method_and_stack() -> None:
+    recording = {"recording": {"events": [
+        _sample("data-plane-kafka-request-handler-0", "a.Histogram.update", "a.Api.handleProduce", "a.Api.handle"),
+        _sample("data-plane-kafka-request-handler-1", "a.Log.append", "a.Api.handleProduce", "a.Api.handle"),
+        _sample("data-plane-kafka-request-handler-1", "a.Histogram.update", "a.Api.handleFetch", "a.Api.handle"),
+        _sample("TxnMarkerSenderThread-1", "a.Marker.send"),
+    ]}}  # fmt: skip
+    top = jfr_top(recording, n=3)
+    assert top["samples"] == 4
+    assert top["threads_pct"] == {"data-plane-kafka-request-handler-N": 75.0, "TxnMarkerSenderThread-N": 25.0}
+    assert top["self_pct"] == {"a.Histogram.update": 50.0, "a.Log.append": 25.0, "a.Marker.send": 25.0}
+    # a method counts once per sample however deep; only the n largest are kept
+    assert top["inclusive_pct"] == {"a.Api.handle": 75.0, "a.Api.handleProduce": 50.0, "a.Histogram.update": 50.0}
+    assert jfr_top({}) == {"samples": 0, "threads_pct": {}, "self_pct": {}, "inclusive_pct": {}}
