@@ -239,9 +239,11 @@ def install_flush_drains_buffer() -> None:
     A worker stopped then lost those writes with their labels' offsets
     committed (a merchant tally short of its labels after a broker loss and
     a restart, tests/integration/test_cluster_faults.py). Here the flush waits
-    while the queue holds a write or one is being handed over; it raises as
-    upstream's does once the buffer is not running (stopped, or its sending
-    task crashed), so the commit fails rather than skips a write.
+    while the queue holds a write or one is being handed over, for as long as
+    the broker takes (a commit that waits is retried work, never lost work);
+    once the buffer is not running (stopping, or its sending task crashed) it
+    raises as upstream's does while writes are queued, so the commit fails
+    rather than skips them.
     """
     import asyncio
 
@@ -260,8 +262,10 @@ def install_flush_drains_buffer() -> None:
 
     async def flush(self: Any) -> None:
         while self.size or getattr(self, "_fraud_handing_over", False):
-            if self.state != "running":
-                raise RuntimeError("Cannot flush: Producer not Running")
+            if self.state != "running":  # stopping or crashed: as upstream's
+                if self.size:
+                    raise RuntimeError("Cannot flush: Producer not Running")
+                return
             self.message_sent.clear()
             try:
                 await asyncio.wait_for(self.message_sent.wait(), timeout=0.1)
