@@ -18,6 +18,7 @@ from app.seams import (
     install_commit_past_gaps,
     install_flush_drains_buffer,
     install_read_committed,
+    install_resume_keeps_queues,
     install_wait_topic_visible,
 )
 from app.settings import Settings
@@ -81,6 +82,7 @@ def base_app(settings: Settings) -> faust.App:
     install_wait_topic_visible()
     install_commit_past_gaps()  # feedback is transactional: its markers must not hold the commits back
     install_flush_drains_buffer()  # a commit covers the merchant tally's writes only once they are sent
+    install_resume_keeps_queues()  # records queued during a recovery are processed, not dropped
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = ProjectApp(
         settings,

@@ -20,6 +20,9 @@ The seams:
 - :func:`install_flush_drains_buffer`: patches faust's
   ``ProducerBuffer.flush`` and ``_send_pending`` so that the flush before a
   commit waits for every table write still in faust's own buffer.
+- :func:`install_resume_keeps_queues`: patches mode's
+  ``FlowControlEvent.resume`` so that resuming a flow already active keeps
+  what the streams' queues hold.
 - :func:`cluster_metadata`: aiokafka's ``AIOKafkaConsumer._client`` and
   ``AIOKafkaClient.fetch_all_metadata`` (partition counts of any topic).
 - :func:`admin_request`: aiokafka's ``AIOKafkaAdminClient._send_request``
@@ -41,7 +44,7 @@ from typing import Any
 
 __all__ = [
     "admin_request", "cluster_metadata", "install_commit_past_gaps", "install_flush_drains_buffer",
-    "install_read_committed", "install_wait_topic_visible", "send_raw",
+    "install_read_committed", "install_resume_keeps_queues", "install_wait_topic_visible", "send_raw",
 ]  # fmt: skip
 
 
@@ -276,6 +279,50 @@ def install_flush_drains_buffer() -> None:
     _send_pending._fraud_patched = True  # type: ignore[attr-defined]
     ProducerBuffer._send_pending = _send_pending  # type: ignore[method-assign]
     ProducerBuffer.flush = flush  # type: ignore[method-assign]
+
+
+# --- flow control resumed twice -----------------------------------------------------------------
+
+
+def install_resume_keeps_queues() -> None:
+    """Resuming faust's flow control while it is active leaves the streams' queues alone.
+
+    Upstream: mode-streaming 0.7.1, ``mode.utils.queues.FlowControlEvent.resume``
+    empties every queue it manages each time it is called; faust-streaming
+    0.15.3's channels are such queues (``clear_on_resume=True``), and its
+    ``Recovery`` resumes ``app.flow_control`` when it starts restoring tables
+    and again in ``on_recovery_completed``, after seeking the stream
+    partitions to their committed offsets.
+
+    NOTE: between the two calls the consumer already delivers the stream
+    partitions' records, and the streams process them; the second call emptied
+    whatever was still queued. Those records were not delivered again: the
+    seek had reset the consumer's read offsets to the committed ones, but the
+    drain of the batch fetched before it moved them on past the records
+    emptied, and the same records fetched again from the committed offset
+    were dropped as read already. The commits then stepped over them (upstream
+    ``Consumer._new_offset`` lets a run begin one past the committed offset,
+    and the gap fill of :func:`install_commit_past_gaps` takes offsets never
+    delivered for skipped): a restarted worker's merchant tally never counted
+    a few labels (RELIABILITY.md, known gap 6; a trace of the consumer showed
+    offsets 72 and 73 handed to the drain and never reaching the stream).
+    Here a resume empties the queues only when the flow was suspended (a
+    rebalance: what was queued belongs to the old assignment, and is fetched
+    again after the seek), as upstream does.
+    """
+    from mode.utils.queues import FlowControlEvent
+
+    original = FlowControlEvent.resume
+    if getattr(original, "_fraud_patched", False):
+        return
+
+    def resume(self: Any) -> None:
+        if self.is_active():
+            return  # already resumed: what the queues hold is this assignment's, not yet processed
+        original(self)
+
+    resume._fraud_patched = True  # type: ignore[attr-defined]
+    FlowControlEvent.resume = resume  # type: ignore[method-assign]
 
 
 # --- metadata -------------------------------------------------------------------------------------

@@ -174,6 +174,34 @@ def test_offsets_below_a_delivered_unacked_message_are_not_taken_for_skipped(app
     assert consumer._new_offset(tp) == 5
 
 
+# --- install_resume_keeps_queues ------------------------------------------------------------------
+
+
+def test_a_second_resume_keeps_what_the_streams_queues_hold() -> None:
+    """faust's recovery resumes the flow when it starts and again after its
+    seek; records queued in between must reach the streams. Upstream emptied
+    the queues at every resume; a resume after a suspension still does."""
+    from mode.utils.queues import FlowControlEvent, FlowControlQueue
+
+    seams.install_resume_keeps_queues()
+
+    async def scenario() -> tuple[int, int]:
+        flow = FlowControlEvent(initially_suspended=True)
+        queue: FlowControlQueue[int] = FlowControlQueue(flow_control=flow, clear_on_resume=True)
+        flow.resume()  # the recovery starts: records flow
+        queue.put_nowait(72)
+        queue.put_nowait(73)
+        flow.resume()  # the recovery completes: already active
+        kept = queue.qsize()
+        flow.suspend()  # a rebalance
+        flow.resume()
+        return kept, queue.qsize()
+
+    kept, after_rebalance = asyncio.run(scenario())
+    assert kept == 2, "the second resume emptied records no stream had processed"
+    assert after_rebalance == 0  # a resume after a suspension clears, as upstream
+
+
 # --- install_flush_drains_buffer -----------------------------------------------------------------
 
 
