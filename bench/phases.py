@@ -76,10 +76,8 @@ def script_ms(slowlog: Iterable[dict[str, Any]]) -> list[float]:
     return [e["duration"] / 1000.0 for e in slowlog if e["command"].split(" ", 1)[0].lower() == "evalsha"]
 
 
-_JMX = re.compile(
-    r"^kafka\.network:type=RequestMetrics,name=(RequestsPerSec|LocalTimeMs),request=(\w+)"
-    r"(?:,version=\d+)?:(Count|Mean)=([0-9.eE+-]+)$"
-)
+_JMX = re.compile(r"^kafka\.network:type=RequestMetrics,name=(RequestsPerSec|LocalTimeMs),request=(\w+)"
+                  r"(?:,version=\d+)?:(Count|Mean)=([0-9.eE+-]+)$")
 
 
 def _jmx(text: str) -> tuple[float | None, dict[str, dict[str, float]]]:
@@ -195,23 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wall", type=float, required=True, help="seconds between the two")
     parser.add_argument("--slowlog", type=Path, help="SLOWLOG GET over the window, as JSON (bench/phases.sh)")
     parser.add_argument("--extra", type=Path, help="a JSON object of figures to keep beside (CPU, rate, machine)")
-    parser.add_argument(
-        "--broker-threads",
-        type=Path,
-        nargs=2,
-        metavar=("BEFORE", "AFTER"),
-        help="the broker's threads' /proc stat lines, at the window's ends",
-    )
-    parser.add_argument(
-        "--broker-jmx",
-        type=Path,
-        nargs=2,
-        metavar=("BEFORE", "AFTER"),
-        help="JmxTool's reports of the broker's request metrics, at the window's ends",
-    )
-    parser.add_argument(
-        "--broker-jfr", type=Path, help="the broker's JFR execution samples over the window (jfr print --json)"
-    )
+    parser.add_argument("--broker-threads", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="the broker's threads' /proc stat lines, at the window's ends")
+    parser.add_argument("--broker-jmx", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="JmxTool's reports of the broker's request metrics, at the window's ends")
+    parser.add_argument("--broker-jfr", type=Path,
+                        help="the broker's JFR execution samples over the window (jfr print --json)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     result: dict[str, Any] = json.loads(args.extra.read_text()) if args.extra else {}
