@@ -144,7 +144,7 @@ class ScoringLoop:
         """The batch's outcomes and offsets in the open transaction (one is begun if none is)."""
         records = output.records(self.topics, self.sign)
         sending = time.perf_counter()
-        seq = await self.stream.send(batch, records, output.placed(self.topics))
+        seq = await self.stream.send(batch, records, output.placed(self.topics, self.sign))
         self._phase["send"].observe(time.perf_counter() - sending)
         if seq is None:
             return  # taken before a rebalance or an abort: it comes again

@@ -228,16 +228,17 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         "dead_letters": settings.topic_dlq,
         "feedback": settings.topic_feedback,
         "monitoring": settings.topic_monitoring,
-        "decision_index": settings.topic_decision_index,
         "transactions": settings.topic_transactions,
     }
     outputs = [topic for name, topic in topics.items() if name != "transactions"]
 
     async def score() -> None:
         index = resend_index(settings)  # opened here, not at import: the store takes a lock on its folder
+        # ``decisions`` is the index's changelog (pipeline/resend_index.py): what
+        # it held for longer than the TTL has expired, so a restore starts there.
         restore = ChangelogRestore(
-            settings.topic_decision_index, index, client_config(settings, f"{settings.app_id}-score"),
-            group_id=restore_group(settings),
+            settings.topic_decisions, index, client_config(settings, f"{settings.app_id}-score"),
+            group_id=restore_group(settings), history_s=settings.decision_cache_ttl_s,
         )  # fmt: skip
         restore.on_restored = lambda partitions, entries, took: metrics.index_restore_seconds.observe(took)
         stream.restore = restore
@@ -315,14 +316,15 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
 
 
 async def placement(stream: ExactlyOnce, settings: Settings) -> Placement:
-    """The home partitions of ``transactions``; refuses a resend index's
-    changelog with fewer partitions (a partition's index is its changelog partition)."""
+    """The home partitions of ``transactions``; refuses ``decisions`` with fewer
+    partitions (each partition's decisions go to the partition of ``decisions``
+    numbered as it, the changelog of its resend index)."""
     transactions = await stream.partition_count(settings.topic_transactions)
-    index = await stream.partition_count(settings.topic_decision_index)
-    if index < transactions:
+    decisions = await stream.partition_count(settings.topic_decisions)
+    if decisions < transactions:
         raise ConfigError(
-            f"{settings.topic_decision_index} has {index} partitions, {settings.topic_transactions} {transactions}: "
-            f"add partitions to {settings.topic_decision_index} to match (kafka-topics --alter --partitions)"
+            f"{settings.topic_decisions} has {decisions} partitions, {settings.topic_transactions} {transactions}: "
+            f"add partitions to {settings.topic_decisions} to match (kafka-topics --alter --partitions)"
         )
     return Placement(transactions)
 
@@ -335,7 +337,7 @@ def worker_name(settings: Settings) -> str:
 def resend_index(settings: Settings) -> ResendIndex:
     """This worker's resend index, on disk under ``data_dir``, one per worker
     slot: a restarted worker finds what it restored before and reads only the
-    changelog written since (app/changelog.py)."""
+    decisions written since (app/changelog.py)."""
     path = settings.data_dir / "decision-index" / worker_name(settings)
     return ResendIndex(RocksStore(path, settings.decision_cache_ttl_s), settings.decision_cache_ttl_s)
 

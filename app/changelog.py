@@ -2,9 +2,10 @@
 
 Called on the scoring consumer's thread, inside its assignment callback
 (app/eos.py), so no record of a partition is fetched, let alone decided,
-before the partition's index is complete: its changelog partition is read
-``read_committed`` from where this worker's store last restored it (else
-from the start) to its end.
+before the partition's index is complete: its changelog partition (of
+``decisions``, pipeline/resend_index.py) is read ``read_committed`` from
+where this worker's store last restored it (else from the first record of
+the last ``history_s``: what is older has expired) to its end.
 
 "Its end" is the high watermark when the restore began, not the first end
 the reader meets: a transaction still open on the changelog (the previous
@@ -57,12 +58,15 @@ WAITING_LOG_S = 5.0
 HANGING_AFTER_S = 30.0
 
 
+#: (value, headers, timestamp in seconds): one changelog record as a restore hands it on.
+Record = tuple[bytes | None, list[tuple[str, bytes]] | None, float]
+
+
 class RestoredState(Protocol):
     """What a changelog restores (pipeline.resend_index.ResendIndex)."""
 
-    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]], topic: str,
-                restored_to: dict[int, int] | None = None) -> int:  # fmt: skip
-        """Apply (key, value, timestamp) records and note how far each partition of ``topic`` was read; returns entries kept."""
+    def restore(self, records: Iterable[Record], topic: str, restored_to: dict[int, int] | None = None) -> int:
+        """Apply (value, headers, timestamp) records and note how far each partition of ``topic`` was read; returns entries kept."""
         ...
 
     def restored_to(self, topic: str, partition: int) -> int | None:
@@ -88,10 +92,15 @@ class ChangelogRestore:
         group_id: str,
         consumer_factory: Callable[[dict[str, object]], Any] | None = None,
         hanging_after_s: float = HANGING_AFTER_S,
+        history_s: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``history_s``: how far back a partition is read at most (None: from its start)."""
         self.topic = topic
         self.index = index
         self.hanging_after_s = hanging_after_s
+        self.history_s = history_s
+        self._clock = clock
         self._config: dict[str, object] = {
             **client_config,
             # Required by the client; nothing is committed and no group is joined (assign, not subscribe).
@@ -143,11 +152,12 @@ class ChangelogRestore:
             ends.close()
         consumer = self._consumer_factory(self._config)
         try:
+            since = self._since(consumer, partitions, marks)
             targets: dict[int, int] = {}
             starts = []
             for p in sorted(partitions):
                 low, high = marks[p]
-                start = max(low, self._restored_to(p, high) or 0)
+                start = max(low, since.get(p, 0), self._restored_to(p, high) or 0)
                 if start < high:
                     targets[p] = high
                     starts.append(kafka.TopicPartition(self.topic, p, start))
@@ -157,6 +167,22 @@ class ChangelogRestore:
         took = time.monotonic() - started
         log.info("resend index of partitions %s restored: %d entries in %.2f s", sorted(partitions), entries, took)
         self.on_restored(partitions, entries, took)
+
+    def _since(self, consumer: Any, partitions: set[int], marks: dict[int, tuple[int, int]]) -> dict[int, int]:
+        """Per partition, its first offset of the last ``history_s`` (its end
+        when it has none that recent): where a restore starts at the earliest."""
+        if self.history_s is None:
+            return {}
+        kafka = _kafka()
+        at_ms = int((self._clock() - self.history_s) * 1000)
+        found = consumer.offsets_for_times([kafka.TopicPartition(self.topic, p, at_ms) for p in sorted(partitions)], 10.0)
+        out = {}
+        for tp in found:
+            if tp.error is not None:
+                raise kafka.KafkaException(tp.error)
+            # -1: no record at or after that time.
+            out[tp.partition] = tp.offset if tp.offset >= 0 else marks[tp.partition][1]
+        return out
 
     def _restored_to(self, partition: int, high: int) -> int | None:
         """How far this store restored ``partition`` before, if that is still
@@ -189,7 +215,7 @@ class ChangelogRestore:
                 err = msg.error()
                 if err is None:
                     ts_type, ts_ms = msg.timestamp()
-                    records.append((msg.key(), msg.value(), ts_ms / 1000.0 if ts_type else time.time()))
+                    records.append((msg.value(), msg.headers(), ts_ms / 1000.0 if ts_type else time.time()))
                     held.pop(msg.partition(), None)
                 elif err.code() == kafka.KafkaError._PARTITION_EOF:
                     p = msg.partition()

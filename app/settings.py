@@ -193,11 +193,9 @@ class Settings(BaseSettings):
     topic_monitoring: str = "monitoring"
     topic_feedback: str = "feedback"
     topic_labels: str = "labels"
-    topic_decision_index: str = "decision-index"
-    """The resend index's changelog (pipeline/resend_index.py): compacted,
-    one partition per partition of ``transactions``, written in the decisions' transactions."""
     partitions: int = 8
-    """Partitions of ``transactions`` (and of ``decisions``): the unit of scaling."""
+    """Partitions of ``transactions`` (and of ``decisions``, where each
+    partition's decisions go: its resend index's changelog): the unit of scaling."""
 
     replication_factor: int = Field(0, ge=0)
     """Replicas of each project topic when ``fraud-pipeline topics`` (or a worker)

@@ -26,6 +26,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+#: How long ``decisions`` keeps a decision at least: Kafka's default retention.
+DECISIONS_RETENTION_MS = 7 * 24 * 3600 * 1000
+
+
 def topic_partitions(settings: Settings) -> dict[str, int]:
     return {
         settings.topic_transactions: settings.partitions,
@@ -34,8 +38,6 @@ def topic_partitions(settings: Settings) -> dict[str, int]:
         settings.topic_monitoring: 1,
         settings.topic_feedback: max(1, settings.partitions // 2),
         settings.topic_labels: max(1, settings.partitions // 2),
-        # Partition for partition with transactions: a partition's owner restores its own.
-        settings.topic_decision_index: settings.partitions,
     }
 
 
@@ -43,18 +45,15 @@ def topic_configs(settings: Settings) -> dict[str, dict[str, str]]:
     """Per topic, what it is created with beyond partitions and replicas."""
     ttl_ms = settings.decision_cache_ttl_s * 1000
     return {
-        # Compacted (one record per transaction) and deleted after the TTL: a
-        # partition's changelog holds about a TTL of its decisions, which is
-        # what a new owner reads. Segments roll every tenth of the TTL so the
-        # expired ones go while the rest stay.
+        # ``decisions`` is the resend index's changelog (pipeline/resend_index.py):
+        # a partition's new owner reads its last TTL of decisions. Kept a week
+        # (Kafka's default) for the readers of decisions, the TTL if longer.
         # NOTE: no size limit, whatever the broker's default (the local stack's
-        # is 128 MiB a partition): an entry dropped before its TTL is a resend
+        # is 128 MiB a partition): a decision dropped before its TTL is a resend
         # decided again.
-        settings.topic_decision_index: {
-            "cleanup.policy": "compact,delete",
-            "retention.ms": str(ttl_ms),
+        settings.topic_decisions: {
+            "retention.ms": str(max(ttl_ms, DECISIONS_RETENTION_MS)),
             "retention.bytes": "-1",
-            "segment.ms": str(max(60_000, ttl_ms // 10)),
         },
     }
 

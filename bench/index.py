@@ -5,8 +5,9 @@ worker's CPU with and without Redis's decision cache on the hot path.
     python -m bench.index restore --records 2250000        # one partition: 1 h of 5,000 TPS over 8 partitions
     python -m bench.index cpu --rates 1000 2000 --repeat 2 # alternated in one run
 
-**restore**: a changelog partition of ``--records`` entries (decision records
-of the size the worker writes, transactions of 2,000 entries), read back by
+**restore**: a partition of ``decisions`` (the index's changelog) of
+``--records`` new decisions (records of the size the worker writes, with
+their index entry's header; transactions of 2,000 records), read back by
 :class:`app.changelog.ChangelogRestore` into a fresh RocksDB store, in a
 process of its own (its CPU and peak memory are its own), then once more by
 a restarted store (what a worker that owned the partition before reads).
@@ -48,11 +49,10 @@ TXN_RECORDS = 2000
 
 
 def _decision(i: int) -> tuple[Any, bytes]:
-    """A transaction and its decision's index bytes, as the scorer makes them."""
+    """A transaction and its decision record's bytes, as the scorer makes them."""
     import orjson
 
     from app.contract import Decision, Transaction
-    from pipeline.resend_index import indexed_value
 
     tx = Transaction(f"t-{i:012d}-{uuid.UUID(int=i).hex[-8:]}", f"u-{i % 50_000:06d}", 10.0 + i % 997, f"m-{i % 5000:05d}",
                      1_796_000_000.0 + i / 5000)  # fmt: skip
@@ -62,7 +62,7 @@ def _decision(i: int) -> tuple[Any, bytes]:
         rules_version="rules-3f2a", feature_age_s=41234.5, latency_ms={"total": 12.0}, correlation_id="c",
         decided_at=tx.timestamp + 0.02,
     )  # fmt: skip
-    return tx, orjson.dumps(indexed_value(decision.to_dict()))
+    return tx, orjson.dumps(decision.to_dict())
 
 
 def _du_mb(path: Path) -> float:
@@ -84,11 +84,11 @@ def _write_changelog(bootstrap: str, topic: str, records: int) -> dict[str, Any]
         producer.begin_transaction()
         for i in range(start, min(records, start + TXN_RECORDS)):
             tx, value = _decision(i)
-            key, entry = ResendIndex.changelog_record(tx, value)
-            value_bytes += len(key) + len(entry)
+            key = tx.transaction_id.encode()
+            value_bytes += len(key) + len(value)
             while True:
                 try:
-                    producer.produce(topic, entry, key, 0)
+                    producer.produce(topic, value, key, 0, headers=[ResendIndex.entry_header(tx)])
                     break
                 except BufferError:
                     producer.poll(0.01)
@@ -114,7 +114,7 @@ def _restore_here(bootstrap: str, topic: str, store: Path) -> None:
     from pipeline.resend_index import ResendIndex, RocksStore
 
     index = ResendIndex(RocksStore(store, 3600), 3600)
-    restore = ChangelogRestore(topic, index, {"bootstrap.servers": bootstrap}, group_id=f"bench-{topic}")
+    restore = ChangelogRestore(topic, index, {"bootstrap.servers": bootstrap}, group_id=f"bench-{topic}", history_s=3600)
     entries: list[int] = []
     restore.on_restored = lambda _p, n, _t: entries.append(n)
     cpu0, t0 = time.process_time(), time.monotonic()
@@ -138,7 +138,7 @@ def restore_part(svc: Any, workdir: Path, records: int) -> dict[str, Any]:
         admin = AIOKafkaAdminClient(bootstrap_servers=svc.bootstrap)
         await admin.start()
         try:
-            configs = {**topic_configs(Settings())[Settings().topic_decision_index], "retention.ms": str(3600 * 1000 * 2)}
+            configs = {**topic_configs(Settings())[Settings().topic_decisions], "retention.ms": str(3600 * 1000 * 2)}
             await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
         finally:
             await admin.close()

@@ -114,7 +114,7 @@ async def run(
                 walls[name].append(wall * 1000)
                 cpus[name].append(cpu * 1000)
                 counts[name].update({k: v for k, v in (out.monitoring or {}).get("counts", {}).items() if k != "batch"})
-                for _, value in out.decisions[:1]:
+                for _, value, *_ in out.decisions[:1]:
                     for stage, ms in (orjson.loads(value).get("latency_ms") or {}).items():
                         stages[name][stage].append(ms)
         # Redis's own CPU (warm-up batches and cache writes included, as a worker

@@ -446,7 +446,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     with services(workdir) as svc:
         suffix = uuid.uuid4().hex[:8]
         topics = {f"FRAUD_TOPIC_{t.upper()}": f"bt-{t}-{suffix}"
-                  for t in ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels", "decision_index")}  # fmt: skip
+                  for t in ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels")}  # fmt: skip
         producer_key, api_key = secrets.token_hex(32), secrets.token_hex(32)
         env = {k: v for k, v in os.environ.items() if not k.startswith("FRAUD_")}
         env.update(

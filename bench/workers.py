@@ -104,7 +104,7 @@ class Worker:
             name: f"bench-{short}-{self.tag}"
             for name, short in (
                 ("transactions", "tx"), ("decisions", "dec"), ("dlq", "dlq"),
-                ("feedback", "fb"), ("monitoring", "mon"), ("labels", "lab"), ("decision_index", "idx"),
+                ("feedback", "fb"), ("monitoring", "mon"), ("labels", "lab"),
             )
         }  # fmt: skip
         topics = self.topics
@@ -135,6 +135,8 @@ class Worker:
         elif variant.checkout:
             argv = [sys.executable, "-m", "tools.cli", "worker"]  # run from that checkout: its packages first
             known = _known_settings(variant.checkout)
+            # A checkout from before ``decisions`` was the resend index's changelog: an index topic of its own.
+            env["FRAUD_TOPIC_DECISION_INDEX"] = f"bench-idx-{self.tag}"
             env = {k: v for k, v in env.items() if not k.startswith("FRAUD_") or k[6:].lower() in known}
             # The same model and rules as every other variant (relative paths would resolve in that checkout).
             env.setdefault("FRAUD_REGISTRY_DIR", str((REPO / self.settings.registry_dir).resolve()))
@@ -391,7 +393,7 @@ class OutsideWorkers:
     """An outside session (:class:`bench.outside.OutsideSession`) as the harness
     drives a worker: its variant, a tag, its topics (deleted when it stops)."""
 
-    TOPICS = ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels", "decision_index")
+    TOPICS = ("transactions", "decisions", "dlq", "feedback", "monitoring", "labels")
 
     def __init__(self, variant: Variant, tag: str, session: Any, topic_names: Sequence[str]) -> None:
         self.variant = variant

@@ -7,21 +7,28 @@ needs every decision committed for that partition within
 ``FRAUD_DECISION_CACHE_TTL_S``, by transaction id and by content, and this
 index holds them.
 
-Each decision is written twice, as Kafka Streams writes a state store:
+Its changelog is ``decisions`` itself, as Kafka Streams restores a table read
+from a topic from that topic: a decision is produced on its transaction's own
+partition (partition *p* of ``transactions`` is answered on partition *p* of
+``decisions``), in the very Kafka transaction that carries the consumed
+offsets, so what a partition of ``decisions`` holds is exactly what was
+committed for that partition: a zombie's or an aborted transaction's
+decisions never become visible. A new decision carries its content hash in a
+header (``CONTENT_HASH``), the one part of its index entry the record leaves
+out; cached answers, rejections and decisions of records away from their home
+carry none and are not entries. Each decision is then kept twice:
 
-- as one record of the changelog topic (``decision-index``, compacted, one
-  partition per partition of ``transactions``), produced in the very Kafka
-  transaction that carries the decision and the consumed offsets, so an
-  entry is exactly as committed as its decision: a zombie's or an aborted
-  transaction's entries never become visible;
-- once that transaction committed, into this worker's local store (RocksDB
+- as its record in ``decisions`` (no extra record, no extra partition in the
+  transaction);
+- once that transaction committed, in this worker's local store (RocksDB
   through ``rocksdict``, on disk: an hour at 5,000 TPS does not fit a
   worker's memory).
 
-A partition's new owner restores the partition's entries from the changelog
-(``read_committed``, to its end) before it decides the partition's first
-record (app/changelog.py). The local store only shortens that: it remembers
-up to which changelog offset each partition was restored, and entries are
+A partition's new owner restores the partition's entries from ``decisions``
+(``read_committed``, from the first record of the last
+``FRAUD_DECISION_CACHE_TTL_S`` to its end) before it decides the partition's
+first record (app/changelog.py). The local store only shortens that: it
+remembers up to which offset each partition was restored, and entries are
 facts (committed decisions, each key's first), so what it holds from an
 earlier ownership is never wrong.
 
@@ -37,17 +44,25 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from app.contract import Transaction
-from app.redis_keys import decision_keys
+import orjson
 
-__all__ = ["IndexStore", "MemoryStore", "ResendIndex", "RocksStore", "indexed_value"]
+from app.contract import Transaction
+from app.redis_keys import content_hash, decision_hash_key, decision_id_key, decision_keys
+
+__all__ = ["CONTENT_HASH", "ChangelogRecord", "IndexStore", "MemoryStore", "ResendIndex", "RocksStore", "indexed_value"]
+
+#: The header of a new decision that makes it an index entry: its
+#: transaction's content hash (app/redis_keys.py, ``content_hash``).
+CONTENT_HASH = "decision-content-hash"
+
+#: (value, headers, timestamp in seconds): a record of ``decisions`` as a restore reads it.
+ChangelogRecord = tuple[bytes | None, Sequence[tuple[str, bytes]] | None, float]
 
 #: What a decision's index entry leaves out: they differ per delivery and a
 #: cached answer carries its own (pipeline/scorer.py, ``_emit_cached``).
 PER_DELIVERY = ("latency_ms", "correlation_id")
 
 _EXPIRES = struct.Struct(">d")
-_HASH_LEN = struct.Struct(">H")
 _CHECKPOINT = b"\x00restored-to/"
 
 
@@ -130,8 +145,7 @@ class RocksStore:
 def _checkpoint(topic: str, partition: int) -> bytes:
     """Where the store keeps how far it restored a changelog partition: by the
     topic's name too, since one store outlives a rename of the changelog
-    (another ``FRAUD_APP_ID`` or ``FRAUD_TOPIC_DECISION_INDEX``), whose
-    offsets count from 0 again."""
+    (another ``FRAUD_TOPIC_DECISIONS``), whose offsets count from 0 again."""
     return _CHECKPOINT + topic.encode() + b"/" + str(partition).encode()
 
 
@@ -185,33 +199,36 @@ class ResendIndex:
                 puts.append((key.encode(), expires + value))
         self.store.write(puts)
 
-    # -- the changelog ------------------------------------------------------------
+    # -- the changelog: decisions ----------------------------------------------------
 
     @staticmethod
-    def changelog_record(tx: Transaction, value: bytes) -> tuple[bytes, bytes]:
-        """The changelog's (key, value) for a decision: keyed by the
-        transaction's id key (compaction keeps one per transaction), the
-        content key inside."""
-        by_id, by_hash = decision_keys(tx)
-        hashed = by_hash.encode()
-        return by_id.encode(), _HASH_LEN.pack(len(hashed)) + hashed + value
+    def entry_header(tx: Transaction) -> tuple[str, bytes]:
+        """The header that makes a new decision of ``tx`` an index entry."""
+        return CONTENT_HASH, content_hash(tx).encode()
 
-    def restore(self, records: Iterable[tuple[bytes | None, bytes | None, float]], topic: str,
-                restored_to: dict[int, int] | None = None) -> int:  # fmt: skip
-        """Apply changelog records (key, value, timestamp in seconds), and
-        record up to which offset each partition of ``topic`` is restored, in
-        one write. Returns how many entries were live (the rest had expired)."""
+    def restore(self, records: Iterable[ChangelogRecord], topic: str, restored_to: dict[int, int] | None = None) -> int:
+        """Apply records of ``decisions``, and record up to which offset each
+        partition of ``topic`` is restored, in one write. Only new decisions
+        (those with a ``CONTENT_HASH`` header) are entries. Returns how many
+        entries were live (the rest had expired)."""
         now = self._clock()
         puts: list[tuple[bytes, bytes]] = []
         live = 0
-        for key, value, ts in records:
+        for value, headers, ts in records:
             expires_at = ts + self.ttl_s
-            if key is None or not value or expires_at <= now:
+            if not value or not headers or expires_at <= now:
                 continue
-            (n,) = _HASH_LEN.unpack_from(value)
-            by_hash, decision = value[2 : 2 + n], value[2 + n :]
-            stored = _EXPIRES.pack(expires_at) + decision
-            puts += ((key, stored), (by_hash, stored))
+            digest = next((v for k, v in headers if k == CONTENT_HASH), None)
+            if not digest:
+                continue
+            record = orjson.loads(value)
+            user, txid = record.get("user_id"), record.get("transaction_id")
+            if not isinstance(user, str) or not isinstance(txid, str):
+                continue
+            stored = _EXPIRES.pack(expires_at) + orjson.dumps(indexed_value(record))
+            by_id = decision_id_key(user, txid).encode()
+            by_hash = decision_hash_key(user, digest.decode("ascii", "replace")).encode()
+            puts += ((by_id, stored), (by_hash, stored))
             live += 1
         for partition, offset in (restored_to or {}).items():
             puts.append((_checkpoint(topic, partition), str(offset).encode()))

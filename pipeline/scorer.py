@@ -113,7 +113,10 @@ class Inbound:
 class BatchOutput:
     """Messages to produce, as (key, value) pairs per topic."""
 
-    decisions: list[tuple[bytes, bytes]] = field(default_factory=list)
+    decisions: list[tuple[bytes, bytes, int | None, list[tuple[str, bytes]]]] = field(default_factory=list)
+    """(key, value, partition, headers): each decision on the partition of
+    ``decisions`` numbered as its transaction's (None: the key's, for a message
+    with no partition), a new one with its index entry's header."""
     dead_letters: list[tuple[bytes | None, bytes]] = field(default_factory=list)
     feedback: list[tuple[bytes, bytes]] = field(default_factory=list)
     monitoring: dict[str, Any] | None = None
@@ -123,10 +126,10 @@ class BatchOutput:
     """Decisions produced, by (action, cached)."""
     to_cache: list[tuple[Transaction, bytes]] = field(default_factory=list)
     """Each new decision with its record's bytes as sent: what the worker holds until its transaction settles."""
-    indexed: list[tuple[int, Transaction, bytes]] = field(default_factory=list)
-    """Each new decision as the resend index keeps it, with its partition
-    (pipeline/resend_index.py): a changelog record in the batch's transaction,
-    then an index entry once that committed."""
+    indexed: list[tuple[Transaction, bytes]] = field(default_factory=list)
+    """Each new decision of a partition as the resend index keeps it
+    (pipeline/resend_index.py): its record in ``decisions`` is the index's
+    changelog; an index entry once its transaction committed."""
     rerouted: list[tuple[int, Inbound]] = field(default_factory=list)
     """Records found away from their home partition (app/placement.py), each
     with its home: produced there in the batch's transaction, not decided here."""
@@ -136,20 +139,26 @@ class BatchOutput:
     """The shadow model's share of this batch, done by :meth:`Scorer.finish`."""
 
     def add(self, kind: str, key: bytes | None, value: bytes) -> None:
-        """Append to ``decisions``, ``dead_letters`` or ``feedback``."""
+        """Append to ``dead_letters`` or ``feedback``."""
         getattr(self, kind).append((key, value))
 
+    def decide(self, msg: Inbound, key: bytes, value: bytes, headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Append a decision answering ``msg``, on the partition numbered as ``msg``'s."""
+        self.decisions.append((key, value, msg.partition, headers or []))
+
     def records(self, topics: dict[str, str], sign: Signs | None = None) -> list[Record]:
-        """Every record to produce, as (topic, key, value, headers), in one list:
-        decisions (each signed by ``sign`` here, once: its value bytes are final),
-        dead letters, feedback, then the batch's monitoring records."""
+        """Every record to produce on its key's partition, as (topic, key,
+        value, headers), in one list: decisions of messages with no partition
+        (each signed by ``sign`` here, once: its value bytes are final), dead
+        letters, feedback, then the batch's monitoring records."""
         decisions, dlq, feedback, monitoring = (
             topics["decisions"], topics["dead_letters"], topics["feedback"], topics["monitoring"],
         )  # fmt: skip
-        if sign is not None:
-            out: list[Record] = [(decisions, k, v, sign.headers(v)) for k, v in self.decisions]
-        else:
-            out = [(decisions, k, v, []) for k, v in self.decisions]
+        out: list[Record] = [
+            (decisions, k, v, [*h, *sign.headers(v)] if sign is not None else h)
+            for k, v, p, h in self.decisions
+            if p is None
+        ]
         out += [(dlq, k, v, []) for k, v in self.dead_letters]
         out += [(feedback, k, v, []) for k, v in self.feedback]
         if self.monitoring is not None:
@@ -157,14 +166,16 @@ class BatchOutput:
         out += [(monitoring, None, v, []) for v in self.extra_monitoring]
         return out
 
-    def placed(self, topics: dict[str, str]) -> list[Placed]:
-        """The records that go to a given partition: the decisions' resend
-        index entries (the partition's changelog) and the re-routed transactions."""
-        index = topics["decision_index"]
-        out: list[Placed] = []
-        for partition, tx, value in self.indexed:
-            key, entry = ResendIndex.changelog_record(tx, value)
-            out.append((index, partition, key, entry, []))
+    def placed(self, topics: dict[str, str], sign: Signs | None = None) -> list[Placed]:
+        """The records that go to a given partition: the decisions (each on
+        its transaction's partition, signed by ``sign`` here, once) and the
+        re-routed transactions."""
+        decisions = topics["decisions"]
+        out: list[Placed] = [
+            (decisions, p, k, v, [*h, *sign.headers(v)] if sign is not None else h)
+            for k, v, p, h in self.decisions
+            if p is not None
+        ]
         transactions = topics["transactions"]
         for home, msg in self.rerouted:
             out.append((transactions, home, msg.key, msg.value, list(msg.headers.items())))
@@ -173,7 +184,7 @@ class BatchOutput:
     @property
     def index_entries(self) -> list[tuple[Transaction, bytes]]:
         """The new decisions as the resend index keeps them (for :meth:`HoldingCache.committed`)."""
-        return [(tx, value) for _, tx, value in self.indexed]
+        return self.indexed
 
 
 class Signs(Protocol):
@@ -531,11 +542,14 @@ class Scorer:
             record = decision.to_dict()
             records.append(record)
             blob = orjson.dumps(record)
-            out.add("decisions", tx.transaction_id.encode(), blob)
+            if msg.partition is not None:
+                # Its record in ``decisions`` is its index entry's changelog: the header adds the content hash.
+                out.decide(msg, tx.transaction_id.encode(), blob, [ResendIndex.entry_header(tx)])
+                out.indexed.append((tx, orjson.dumps(indexed_value(record))))
+            else:
+                out.decide(msg, tx.transaction_id.encode(), blob)
             out.outcomes[(action, False)] += 1
             out.to_cache.append((tx, blob))
-            if msg.partition is not None:
-                out.indexed.append((msg.partition, tx, orjson.dumps(indexed_value(record))))
             row = evidence.rows[i] if evidence.rows else None
             doc = self._feedback(tx, record, row, draft.rule, draft.tally)
             feedback_docs.append(doc)
@@ -662,7 +676,7 @@ class Scorer:
             correlation_id=msg.correlation_id,
             latency_ms=self._latency(msg, clock, self.wall_clock()),
         )
-        out.add("decisions", tx.transaction_id.encode(), orjson.dumps(record))
+        out.decide(msg, tx.transaction_id.encode(), orjson.dumps(record))
         out.outcomes[(str(record.get("action")), True)] += 1
 
     async def _predict(self, matrix: np.ndarray) -> tuple[Prediction | None, str | None]:
@@ -714,7 +728,7 @@ class Scorer:
                 decided_at=now,
                 error=why.to_dict(),
             )
-            out.add("decisions", why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
+            out.decide(msg, why.transaction_id.encode(), orjson.dumps(decision.to_dict()))
             out.outcomes[("reject", False)] += 1
         out.add(
             "dead_letters",

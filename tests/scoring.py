@@ -95,7 +95,7 @@ def inbound(doc: dict[str, Any] | bytes, world: World, correlation: str | None =
 def decisions(out: BatchOutput) -> list[dict[str, Any]]:
     """The batch's decisions, parsed; each must be keyed by its transaction id."""
     got = []
-    for key, value in out.decisions:
+    for key, value, *_ in out.decisions:
         record = orjson.loads(value)
         assert key == record["transaction_id"].encode(), "decisions are keyed by transaction id"
         got.append(record)

@@ -93,7 +93,7 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     every_topic = Grant(
         "topic",
         (s.topic_transactions, s.topic_decisions, s.topic_dlq, s.topic_feedback,
-         s.topic_labels, s.topic_monitoring, s.topic_decision_index),
+         s.topic_labels, s.topic_monitoring),
         ("Describe",),
     )  # fmt: skip
     payment_client = (
@@ -113,12 +113,12 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         "payment-client": (every_topic, *payment_client),
         "scoring-worker": (
             every_topic,
-            # `labels` feeds the worker's merchant tally (agents/tally.py); the
-            # resend index's changelog is written in the decisions' transactions
-            # and read back by a partition's new owner (app/changelog.py), whose
-            # reader, unsubscribed, still names a group (the client requires one).
-            _read(s.topic_transactions, s.topic_labels, s.topic_decision_index),
-            _write(s.topic_decisions, s.topic_dlq, s.topic_feedback, s.topic_monitoring, s.topic_decision_index),
+            # `labels` feeds the worker's merchant tally (agents/tally.py);
+            # `decisions` is the resend index's changelog, read back by a
+            # partition's new owner (app/changelog.py), whose reader,
+            # unsubscribed, still names a group (the client requires one).
+            _read(s.topic_transactions, s.topic_labels, s.topic_decisions),
+            _write(s.topic_decisions, s.topic_dlq, s.topic_feedback, s.topic_monitoring),
             # Re-routing a transaction to its home partition (app/placement.py).
             _write(s.topic_transactions),
             Grant("group", (restore_group(s),), ("Read", "Describe")),

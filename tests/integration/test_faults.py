@@ -469,7 +469,7 @@ def test_fault_model_budget(sim_frame: pd.DataFrame, tier: Tier) -> None:
         return out
 
     results = asyncio.run(run())
-    decisions = [orjson.loads(v) for _, r in results for _, v in r.decisions]
+    decisions = [orjson.loads(v) for _, r in results for _, v, *_ in r.decisions]
     elapsed_ms = max(e for e, _ in results) * 1000
     sent = sum(len(b) for b in batches)
     ids = Counter(d["transaction_id"] for d in decisions)
@@ -1158,8 +1158,7 @@ def test_fault_combined_every_role_on_its_own_principal(
 
     defaults = Settings()
     topics = Topics(defaults.topic_transactions, defaults.topic_decisions, defaults.topic_dlq,
-                    defaults.topic_feedback, defaults.topic_monitoring, defaults.topic_labels,
-                    defaults.topic_decision_index)  # fmt: skip
+                    defaults.topic_feedback, defaults.topic_monitoring, defaults.topic_labels)  # fmt: skip
     assert defaults.partitions == PARTITIONS
     broker_dir, redis_dir = tmp_path / "broker", tmp_path / "redis"
     broker = stack.start_broker(workdir=broker_dir, secure=True)
@@ -1376,7 +1375,7 @@ def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str,
             fenced = a.text().count("fenced from partitions")
             # The resend index as any new owner would restore it: one entry per
             # transaction, each the decision a read_committed reader sees.
-            entries = await read_index(rig.bootstrap, rig.topics.decision_index)
+            entries = await read_index(rig.bootstrap, rig.topics.decisions)
             firsts = {tx: decided[0] for tx, decided in col.by_tx.items() if decided}  # the probe's too
             foreign = [tx for tx, e in entries.items() if tx not in firsts or e["decided_at"] != firsts[tx]["decided_at"]]
             report(t.line("zombie", stopped_s=15, fenced_logs=fenced, zombie_alive=a.alive(),

@@ -1,6 +1,7 @@
-"""The resend index's changelog on the real broker (app/changelog.py): a new
-owner restores exactly what committed, waits for a transaction still open
-when it began, and a restarted worker reads only what was written since."""
+"""The resend index's changelog, ``decisions``, on the real broker
+(app/changelog.py): a new owner restores exactly what committed, from the
+last TTL of decisions only, waits for a transaction still open when it
+began, and a restarted worker reads only what was written since."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ async def _topic(bootstrap: str, name: str, partitions: int = 2) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs={"cleanup.policy": "compact,delete"})])
+        await admin.create_topics([NewTopic(name, partitions, 1)])
     finally:
         await admin.close()
 
@@ -40,7 +41,8 @@ def _tx(i: int) -> Transaction:
 
 
 def _decision(tx: Transaction, action: str = "decline") -> bytes:
-    return orjson.dumps({"transaction_id": tx.transaction_id, "action": action, "fraud_score": 0.9})
+    return orjson.dumps({"transaction_id": tx.transaction_id, "user_id": tx.user_id, "action": action,
+                         "fraud_score": 0.9, "latency_ms": {"total": 4.0}})  # fmt: skip
 
 
 def _producer(bootstrap: str, tid: str) -> Producer:
@@ -50,15 +52,17 @@ def _producer(bootstrap: str, tid: str) -> Producer:
     return producer
 
 
-def _write(producer: Producer, topic: str, partition: int, txs: list[Transaction]) -> None:
+def _write(producer: Producer, topic: str, partition: int, txs: list[Transaction], at: float | None = None) -> None:
+    """New decisions of ``txs`` as a worker produces them (``at``: their timestamp, else now)."""
     for tx in txs:
-        key, value = ResendIndex.changelog_record(tx, _decision(tx))
-        producer.produce(topic, value, key, partition)
+        producer.produce(topic, _decision(tx), tx.transaction_id.encode(), partition,
+                         headers=[ResendIndex.entry_header(tx)], timestamp=int((at or time.time()) * 1000))  # fmt: skip
 
 
-def _restorer(bootstrap: str, topic: str, path: Path) -> ChangelogRestore:
-    index = ResendIndex(RocksStore(path, TTL_S), TTL_S)
-    return ChangelogRestore(topic, index, {"bootstrap.servers": bootstrap}, group_id=f"restore-{uuid.uuid4().hex[:6]}")
+def _restorer(bootstrap: str, topic: str, path: Path, index_ttl_s: float = TTL_S) -> ChangelogRestore:
+    index = ResendIndex(RocksStore(path, int(index_ttl_s)), index_ttl_s)
+    return ChangelogRestore(topic, index, {"bootstrap.servers": bootstrap}, group_id=f"restore-{uuid.uuid4().hex[:6]}",
+                            history_s=TTL_S)  # fmt: skip
 
 
 def _found(index: ResendIndex, txs: list[Transaction]) -> list[bool]:
@@ -89,6 +93,28 @@ def test_a_new_owner_restores_what_committed_and_nothing_else(kafka_bootstrap: s
     [hit] = index.get_many([again])
     assert hit is not None and orjson.loads(hit)["transaction_id"] == committed[0].transaction_id
     index.close()
+
+
+def test_a_restore_reads_only_the_last_ttl_of_decisions(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """``decisions`` keeps a week: a new owner starts at the first decision of
+    the last TTL, not at the partition's start. Shown with an index whose own
+    TTL is longer, which would keep the older decisions had they been read."""
+    topic = f"idx-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topic(kafka_bootstrap, topic))
+    producer = _producer(kafka_bootstrap, f"{topic}-w1")
+    older, recent = [_tx(i) for i in range(4)], [_tx(i) for i in range(4, 7)]
+    producer.begin_transaction()
+    _write(producer, topic, 0, older, at=time.time() - 2 * TTL_S)
+    _write(producer, topic, 0, recent)
+    producer.commit_transaction(10.0)
+
+    counts: list[int] = []
+    restore = _restorer(kafka_bootstrap, topic, tmp_path / "store", index_ttl_s=10 * TTL_S)
+    restore.on_restored = lambda _p, entries, _took: counts.append(entries)
+    restore({0})
+    assert counts == [3]
+    assert _found(restore.index, older + recent) == [False] * 4 + [True] * 3
+    restore.index.close()
 
 
 def _committed_then_open(

@@ -44,7 +44,7 @@ DEFAULTS = Settings()
 #: The project's own topic names: the secure broker's ACLs name them.
 TOPICS = Topics(
     DEFAULTS.topic_transactions, DEFAULTS.topic_decisions, DEFAULTS.topic_dlq,
-    DEFAULTS.topic_feedback, DEFAULTS.topic_monitoring, DEFAULTS.topic_labels, DEFAULTS.topic_decision_index,
+    DEFAULTS.topic_feedback, DEFAULTS.topic_monitoring, DEFAULTS.topic_labels,
 )  # fmt: skip
 
 

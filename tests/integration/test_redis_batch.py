@@ -181,7 +181,7 @@ def normalized(out: BatchOutput) -> dict[str, Any]:
     monitoring = dict(out.monitoring or {})
     monitoring.pop("stage_ms", None)
     return {
-        "decisions": [(k, decision(orjson.loads(v))) for k, v in out.decisions],
+        "decisions": [(k, decision(orjson.loads(v))) for k, v, *_ in out.decisions],
         "dead_letters": [(k, orjson.loads(v)) for k, v in out.dead_letters],
         "feedback": [(k, feedback(orjson.loads(v))) for k, v in out.feedback],
         "monitoring": monitoring,

@@ -249,7 +249,7 @@ def test_scorer_built_for_a_cluster_url(
         first = await scorer.score_batch(batch)
         scorer.cache.committed(first.index_entries)  # type: ignore[attr-defined]  # as the loop after a commit
         again = await scorer.score_batch([Inbound(m.value, {}, now, 1, m.offset) for m in batch])
-        return [orjson.loads(v) for _, v in first.decisions], [orjson.loads(v) for _, v in again.decisions]
+        return [orjson.loads(v) for _, v, *_ in first.decisions], [orjson.loads(v) for _, v, *_ in again.decisions]
 
     first, again = asyncio.run(go())
     assert len(first) == len(docs) and not any(d["degraded"] for d in first), [d["explanation"] for d in first][:3]

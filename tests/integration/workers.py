@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from app.settings import Settings
 from app.topics import ensure_topics, topic_partitions
+from pipeline.resend_index import CONTENT_HASH
 from tests.factories import decision_key_env, iso, rules_doc
 from tools import stack
 
@@ -124,12 +125,11 @@ class Topics:
     feedback: str
     monitoring: str
     labels: str
-    decision_index: str
 
     @classmethod
     def unique(cls, tag: str = "ft") -> Topics:
         suffix = uuid.uuid4().hex[:10]
-        return cls(*(f"{tag}-{name}-{suffix}" for name in ("tx", "dec", "dlq", "fb", "mon", "lab", "idx")))
+        return cls(*(f"{tag}-{name}-{suffix}" for name in ("tx", "dec", "dlq", "fb", "mon", "lab")))
 
     def env(self) -> dict[str, str]:
         return {
@@ -139,7 +139,6 @@ class Topics:
             "FRAUD_TOPIC_FEEDBACK": self.feedback,
             "FRAUD_TOPIC_MONITORING": self.monitoring,
             "FRAUD_TOPIC_LABELS": self.labels,
-            "FRAUD_TOPIC_DECISION_INDEX": self.decision_index,
         }
 
     def settings(self, bootstrap: str, partitions: int) -> Settings:
@@ -152,7 +151,6 @@ class Topics:
             topic_feedback=self.feedback,
             topic_monitoring=self.monitoring,
             topic_labels=self.labels,
-            topic_decision_index=self.decision_index,
         )
 
     async def create(self, bootstrap: str, partitions: int) -> dict[str, int]:
@@ -675,8 +673,9 @@ async def rescan(bootstrap: str, collector: Collector, ids: list[str]) -> str:
 
 
 async def read_index(bootstrap: str, topic: str, **options: Any) -> dict[str, dict[str, Any]]:
-    """The resend index's changelog as a new owner restores it (read_committed,
-    to its end): per transaction id, the decision its entry holds."""
+    """The resend index's changelog (``decisions``) as a new owner restores it
+    (read_committed, to its end): per transaction id, the decision of its
+    first entry (a new decision: its content hash header)."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     def read() -> dict[str, dict[str, Any]]:
@@ -694,10 +693,10 @@ async def read_index(bootstrap: str, topic: str, **options: Any) -> dict[str, di
                         if msg.error().code() == KafkaError._PARTITION_EOF:
                             pending.discard(msg.partition())
                         continue
-                    value = msg.value()
-                    n = int.from_bytes(value[:2], "big")  # pipeline/resend_index.py: the content key, then the decision
-                    decision = orjson.loads(value[2 + n :])
-                    out[decision["transaction_id"]] = decision
+                    if CONTENT_HASH not in dict(msg.headers() or []):
+                        continue  # a cached answer or a rejection: not an entry
+                    decision = orjson.loads(msg.value())
+                    out.setdefault(decision["transaction_id"], decision)
             return out
         finally:
             consumer.close()

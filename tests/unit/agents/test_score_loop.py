@@ -34,7 +34,7 @@ from models.lifecycle import SHADOW
 from models.registry import CURRENT
 from pipeline.cache import InMemoryDecisionCache, LocalFirstCache
 from pipeline.feature_store import InMemoryFeatureStore
-from pipeline.resend_index import MemoryStore, ResendIndex
+from pipeline.resend_index import CONTENT_HASH, MemoryStore, ResendIndex
 from pipeline.scorer import Scorer
 from pipeline.validate import validate
 from tests.factories import RULES, ConstantModel, tx_doc
@@ -44,7 +44,7 @@ TOPIC = "transactions"
 GROUP = "fraud-unit-score"
 OUTPUTS = {
     "decisions": "decisions", "dead_letters": "dead-letters", "feedback": "feedback", "monitoring": "monitoring",
-    "decision_index": "decision-index", "transactions": "transactions",
+    "transactions": "transactions",
 }  # fmt: skip
 #: Long enough that a test commits when it says so (``Worker.commit``).
 NEVER = 3600.0
@@ -69,7 +69,8 @@ class SharedCache(InMemoryDecisionCache):
 
 
 def new_kafka() -> FakeKafka:
-    return FakeKafka({**{topic: 1 for topic in OUTPUTS.values()}, TOPIC: 2, OUTPUTS["decision_index"]: 2})
+    # ``decisions``, partition for partition with ``transactions``: the resend index's changelog.
+    return FakeKafka({**{topic: 1 for topic in OUTPUTS.values()}, TOPIC: 2, OUTPUTS["decisions"]: 2})
 
 
 def doc(partition: int, offset: int, prefix: str = "t-loop") -> dict[str, Any]:
@@ -713,9 +714,10 @@ def test_a_batch_taken_while_the_last_transaction_aborts_comes_again_and_is_deci
 def test_a_committed_transaction_s_decisions_are_in_the_resend_index_and_an_aborted_one_s_nowhere(
     tmp_path: Path, models: Any
 ) -> None:
-    """Each new decision's changelog record rides in the decision's own
-    transaction, on the decision's partition; the index takes it once the
-    transaction committed. What an aborted transaction decided is in neither."""
+    """Each new decision is produced on its transaction's partition of
+    ``decisions``, with its index entry's header: its record there is the
+    index's changelog. The index takes it once the transaction committed.
+    What an aborted transaction decided is in neither."""
     kafka = new_kafka()
     worker = Worker(kafka, tmp_path, models)
     aborted_docs: list[dict[str, Any]] = []
@@ -735,9 +737,10 @@ def test_a_committed_transaction_s_decisions_are_in_the_resend_index_and_an_abor
     asyncio.run(go())
     made = fresh(kafka)
     assert sorted(made) == ["t-aborted-0-0", "t-aborted-0-1", "t-loop-1-0"]
-    index_topic = OUTPUTS["decision_index"]
-    entries = [(m.partition(), m.key()) for p in (0, 1) for m in kafka.logs[(index_topic, p)]]
-    assert sorted((p, key.decode().rsplit(":", 1)[-1]) for p, key in entries) == [
+    topic = OUTPUTS["decisions"]
+    entries = [(m.partition(), m.key()) for p in (0, 1) for m in kafka.logs[(topic, p)]
+               if CONTENT_HASH in dict(m.headers() or [])]  # fmt: skip
+    assert sorted((p, key.decode()) for p, key in entries) == [
         (0, "t-aborted-0-0"), (0, "t-aborted-0-1"), (1, "t-loop-1-0"),
     ]  # one each: the aborted transaction's records never became visible
     assert None not in worker.index.get_many([_tx(d) for d in aborted_docs])  # decided again, and committed

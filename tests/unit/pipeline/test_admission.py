@@ -42,7 +42,7 @@ def run(s: Scorer, batch: list[Inbound]) -> tuple[list[dict], list[dict]]:
         return out
 
     out = asyncio.run(score_and_remember())
-    return [orjson.loads(v) for _, v in out.decisions], [orjson.loads(v) for _, v in out.dead_letters]
+    return [orjson.loads(v) for _, v, *_ in out.decisions], [orjson.loads(v) for _, v in out.dead_letters]
 
 
 def test_signed_messages_are_scored_and_unsigned_ones_dead_lettered_without_a_decision() -> None:

@@ -85,7 +85,7 @@ def msg(i: int, offset: int, **over: Any) -> Inbound:
 
 
 def actions(out: BatchOutput) -> list[tuple[str, str, bool]]:
-    docs = [orjson.loads(v) for _, v in out.decisions]
+    docs = [orjson.loads(v) for _, v, *_ in out.decisions]
     return [(d["transaction_id"], d["action"], bool(d.get("cached"))) for d in docs]
 
 
@@ -128,7 +128,7 @@ def test_features_that_could_not_be_read_degrade_the_batch() -> None:
     error = FeatureStoreError("fp:{u:u-1}:profile has feature set 'old'")
     lookup = ScriptedLookup(lambda r: BatchAnswer([None], [None], [None], None, error))
     out = run(scorer(lookup), [msg(1, 1)])
-    (doc,) = [orjson.loads(v) for _, v in out.decisions]
+    (doc,) = [orjson.loads(v) for _, v, *_ in out.decisions]
     assert doc["degraded"] and "degraded: feature store unavailable" in doc["explanation"]
     assert out.monitoring["degraded_reason"] == "feature store unavailable"  # type: ignore[index]
 

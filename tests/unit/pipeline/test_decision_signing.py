@@ -22,7 +22,7 @@ from pipeline.decision_signing import (
     write_private_key,
     write_public_keys,
 )
-from pipeline.scorer import BatchOutput
+from pipeline.scorer import BatchOutput, Inbound
 
 VALUE = orjson.dumps({"transaction_id": "t-1", "action": "approve", "correlation_id": "c-1"})
 
@@ -123,12 +123,17 @@ def test_each_decision_is_signed_over_its_final_bytes_and_nothing_else_is() -> N
     signer = DecisionSigner.generate()
     verifier = DecisionVerifier([signer.public_key])
     out = BatchOutput()
-    out.add("decisions", b"t-1", VALUE)
+    out.decide(Inbound(value=b"", partition=3), b"t-1", VALUE, [("decision-content-hash", b"h")])
+    out.decide(Inbound(value=b""), b"t-2", VALUE)  # no partition (a message from no topic): on its key's
     out.add("dead_letters", None, b"{}")
-    topics = {"decisions": "d", "dead_letters": "dlq", "feedback": "f", "monitoring": "m"}
+    topics = {"decisions": "d", "dead_letters": "dlq", "feedback": "f", "monitoring": "m", "transactions": "tx"}
     records = out.records(topics, signer)
-    (decision,) = [r for r in records if r[0] == "d"]
-    assert verifier.verify(decision[2], dict(decision[3])) == signer.key_id
+    placed = out.placed(topics, signer)
+    (keyed,) = [r for r in records if r[0] == "d"]
+    assert verifier.verify(keyed[2], dict(keyed[3])) == signer.key_id
+    [(_, partition, _, value, headers)] = placed
+    assert partition == 3 and verifier.verify(value, dict(headers)) == signer.key_id
+    assert ("decision-content-hash", b"h") in headers  # the index entry's header, beside the signature
     assert all(r[3] == [] for r in records if r[0] != "d")
     assert all(r[3] == [] for r in out.records(topics))  # no signer: no headers
 

@@ -37,7 +37,7 @@ def test_a_degraded_provisional_decision_ends_with_degraded_then_provisional() -
     scorer = Scorer(model=None, rules=rules("rules-order-1"), store=store,
                     cache=LocalFirstCache(PausedCache(), wait_s=0.02, retry_every_s=0.01), wall_clock=lambda: NOW)  # fmt: skip
     batch = [Inbound(tx_bytes(i, NOW), {}, NOW - 0.004, 0, i) for i in range(10)]
-    got = [orjson.loads(value) for _, value in asyncio.run(scorer.score_batch(batch)).decisions]
+    got = [orjson.loads(value) for _, value, *_ in asyncio.run(scorer.score_batch(batch)).decisions]
     assert len(got) == 10
     for d in got:
         assert d["degraded"] is True and d["provisional"] is True

@@ -1,5 +1,5 @@
 """The resend index (pipeline/resend_index.py): what a partition committed, by id
-and by content, for a TTL; restored from changelog records exactly as written."""
+and by content, for a TTL; restored from the decision records of ``decisions``."""
 
 from __future__ import annotations
 
@@ -54,23 +54,35 @@ def test_an_entry_expires_after_the_ttl(store: IndexStore) -> None:
     assert index.get_many([tx(1)]) == [None]
 
 
-def test_changelog_records_restore_what_was_added(store: IndexStore) -> None:
-    """Another worker's index, restored from the changelog: the same answers,
-    expiring by the records' timestamps; how far each partition was read is kept."""
+def record(t: Transaction, action: str = "decline", **extra: object) -> bytes:
+    """A decision record as produced to ``decisions``: the per-delivery fields in it."""
+    return orjson.dumps({"transaction_id": t.transaction_id, "user_id": t.user_id, "action": action,
+                         "latency_ms": {"total": 3.0}, "correlation_id": "c", **extra})  # fmt: skip
+
+
+def test_decision_records_restore_what_was_added(store: IndexStore) -> None:
+    """Another worker's index, restored from its partition of ``decisions``:
+    the same answers, expiring by the records' timestamps; only new decisions
+    (their entry header) are entries; how far each partition was read is kept."""
     clock = [1000.0]
     txs = [tx(i) for i in range(5)]
-    records = [(*ResendIndex.changelog_record(t, decision(t)), 990.0) for t in txs]
+    records = [(record(t), [ResendIndex.entry_header(t), ("decision-signature", b"s")], 990.0) for t in txs]
     old = tx(7)
-    records.append((*ResendIndex.changelog_record(old, decision(old)), 1000.0 - TTL_S - 1))  # expired already
+    records.append((record(old), [ResendIndex.entry_header(old)], 1000.0 - TTL_S - 1))  # expired already
+    # A cached answer and a rejection carry no entry header: not entries.
+    cached, rejected = tx(8), tx(9)
+    records += [(record(cached, cached=True), [("decision-signature", b"s")], 995.0), (record(rejected, "reject"), None, 995.0)]
 
     index = ResendIndex(store, TTL_S, clock=lambda: clock[0])
-    assert index.restored_to("idx", 0) is None
-    assert index.restore(records, "idx", {0: 42}) == 5
-    assert index.restored_to("idx", 0) == 42 and index.restored_to("idx", 1) is None
-    assert index.restored_to("other-idx", 0) is None  # another changelog's offsets count from 0 again
-    assert [f is not None for f in index.get_many([*txs, old])] == [True] * 5 + [False]
+    assert index.restored_to("dec", 0) is None
+    assert index.restore(records, "dec", {0: 42}) == 5
+    assert index.restored_to("dec", 0) == 42 and index.restored_to("dec", 1) is None
+    assert index.restored_to("other-dec", 0) is None  # another topic's offsets count from 0 again
+    assert [f is not None for f in index.get_many([*txs, old, cached, rejected])] == [True] * 5 + [False] * 3
     renamed = dataclasses.replace(txs[2], transaction_id="t-new")
     assert orjson.loads(index.get_many([renamed])[0] or b"null")["transaction_id"] == "t-2"
+    # As the worker itself adds it: the decision less what differs per delivery.
+    assert orjson.loads(index.get_many([txs[1]])[0] or b"null") == {"transaction_id": "t-1", "user_id": "u-1", "action": "decline"}
     clock[0] = 990.0 + TTL_S + 1
     assert index.get_many(txs) == [None] * 5
 
@@ -78,10 +90,10 @@ def test_changelog_records_restore_what_was_added(store: IndexStore) -> None:
 def test_the_rocksdb_store_keeps_entries_across_a_restart(tmp_path: Path) -> None:
     index = ResendIndex(RocksStore(tmp_path / "i", int(TTL_S)), TTL_S)
     index.add([(tx(1), decision(tx(1)))])
-    index.restore([], "idx", {3: 17})
+    index.restore([], "dec", {3: 17})
     index.close()
     again = ResendIndex(RocksStore(tmp_path / "i", int(TTL_S)), TTL_S)
-    assert again.get_many([tx(1)]) != [None] and again.restored_to("idx", 3) == 17
+    assert again.get_many([tx(1)]) != [None] and again.restored_to("dec", 3) == 17
     again.close()
 
 

@@ -32,7 +32,7 @@ from pipeline.features import (
     FEATURE_SET_VERSION,
 )
 from pipeline.model import Prediction
-from pipeline.resend_index import MemoryStore, ResendIndex
+from pipeline.resend_index import CONTENT_HASH, MemoryStore, ResendIndex
 from pipeline.scorer import PROVISIONAL_REASON, BatchOutput, Inbound, Scorer
 from pipeline.validate import Limits, validate
 from tests.factories import ConstantModel, iso
@@ -686,18 +686,31 @@ def test_an_index_that_cannot_be_read_decides_provisionally(world: World, ensemb
     assert scorer.cache.unchecked == 4  # type: ignore[attr-defined]  # once each, for the worker's metric
 
 
-def test_each_new_decision_is_a_changelog_record_on_its_own_partition(world: World, ensemble: Any) -> None:
+def test_each_decision_goes_to_its_transaction_s_partition_a_new_one_as_an_index_entry(
+    world: World, ensemble: Any
+) -> None:
+    """Partition p of ``decisions`` holds the decisions of partition p of
+    ``transactions``: the changelog of p's resend index. A new decision
+    carries its content hash (the entry's one part not in the record); a
+    copy answered from it carries none, and a restore reads back the entries."""
     scorer = make_scorer(world, ensemble, cache=indexed_cache())
     docs = [world.tx(i) for i in range(3)]
     batch = [dataclasses.replace(inbound(d, world), partition=p) for p, d in zip((0, 5, 5), docs)]
-    batch.append(inbound(docs[0], world, correlation="copy"))  # a copy: answered, not a new entry
+    batch.append(dataclasses.replace(inbound(docs[0], world, correlation="copy"), partition=0))  # a copy: answered, not an entry
     out = asyncio.run(scorer.score_batch(batch))
-    topics = {"decision_index": "idx", "transactions": "tx"}
-    placed = out.placed(topics)
-    assert [(topic, partition) for topic, partition, *_ in placed] == [("idx", 0), ("idx", 5), ("idx", 5)]
-    for (_, _, key, value, _), doc in zip(placed, docs):
-        assert doc["transaction_id"].encode() in key
-        assert b"latency_ms" not in value  # per delivery: a cached answer carries its own
+    placed = out.placed({"decisions": "dec", "transactions": "tx"})
+    assert [(topic, partition) for topic, partition, *_ in placed] == [("dec", 0), ("dec", 5), ("dec", 5), ("dec", 0)]
+    entries = [(value, headers) for _, _, _, value, headers in placed if CONTENT_HASH in dict(headers)]
+    assert [orjson.loads(value)["transaction_id"] for value, _ in entries] == [d["transaction_id"] for d in docs]
+    assert not any(topic == "dec" for topic, *_ in out.records({"decisions": "dec", "dead_letters": "dlq",
+                                                                 "feedback": "f", "monitoring": "m"}))  # fmt: skip
+
+    restored = ResendIndex(MemoryStore(), 3600)
+    assert restored.restore([(value, headers, time.time()) for _, _, _, value, headers in placed], "dec") == 3
+    txs = [validate(orjson.dumps(d), world.now, Limits()) for d in docs]
+    held = [orjson.loads(v) for _, v in out.index_entries]
+    assert [orjson.loads(f or b"null") for f in restored.get_many(txs)] == held  # type: ignore[arg-type]
+    assert all("latency_ms" not in entry for entry in held)  # per delivery: a cached answer carries its own
 
 
 def test_a_record_away_from_its_home_partition_is_rerouted_not_decided(world: World, ensemble: Any) -> None:
@@ -715,7 +728,7 @@ def test_a_record_away_from_its_home_partition_is_rerouted_not_decided(world: Wo
 
     assert [d["transaction_id"] for d in decisions(out)] == [home["transaction_id"]]
     assert store.enriched == [home["transaction_id"]]
-    [(topic, partition, key, value, headers)] = out.placed({"decision_index": "idx", "transactions": "tx"})[1:]
+    [(topic, partition, key, value, headers)] = out.placed({"decisions": "dec", "transactions": "tx"})[1:]
     assert (topic, partition, key, value) == ("tx", placement.home(away["user_id"]), away["user_id"].encode(),
                                               elsewhere.value)  # fmt: skip
     assert ("correlation-id", b"c-away") in headers
@@ -761,13 +774,15 @@ def test_every_outcome_becomes_one_record_on_its_topic(world: World, ensemble: A
     topics = {"decisions": "d", "dead_letters": "dlq", "feedback": "f", "monitoring": "m"}
 
     records = out.records(topics)
+    placed = out.placed({**topics, "transactions": "tx"})
 
-    decided = [orjson.loads(v)["transaction_id"] for t, _, v, _ in records if t == "d"]
-    assert sorted(decided) == sorted(orjson.loads(m.value)["transaction_id"] for m in batch[:6])
+    # Each decision on its transaction's partition (the resend index's changelog).
+    decided = [(orjson.loads(v)["transaction_id"], p) for t, p, _, v, _ in placed if t == "d"]
+    assert sorted(decided) == sorted((orjson.loads(m.value)["transaction_id"], m.partition) for m in batch[:6])
     assert [t for t, _, _, _ in records].count("dlq") == 1  # the unreadable record: a dead letter only
     assert [t for t, _, _, _ in records].count("f") == 6  # a feedback record per decision
     assert [t for t, _, _, _ in records].count("m") == 1  # the batch's monitoring record, once
-    assert len(records) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1
+    assert len(records) + len(placed) == len(out.decisions) + len(out.dead_letters) + len(out.feedback) + 1
 
 
 # --- what the review endpoint serves, against its OpenAPI schema ----------------

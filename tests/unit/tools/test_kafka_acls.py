@@ -50,10 +50,9 @@ RIGHTS = [
     ("scoring-worker", "Write", S.topic_monitoring, True),
     # Re-routing a record found away from its user's partition (app/placement.py).
     ("scoring-worker", "Write", S.topic_transactions, True),
-    ("scoring-worker", "Read", S.topic_decision_index, True),
-    ("scoring-worker", "Write", S.topic_decision_index, True),
-    ("feedback-worker", "Read", S.topic_decision_index, False),
-    ("gateway", "Write", S.topic_decision_index, False),
+    # ``decisions`` is the resend index's changelog: a partition's new owner reads it back.
+    ("scoring-worker", "Read", S.topic_decisions, True),
+    ("feedback-worker", "Read", S.topic_decisions, False),
     ("scoring-worker", "Write", S.topic_labels, False),
     ("scoring-worker", "Create", f"{S.app_id}-merchant-labels-changelog", True),
     ("scoring-worker", "Create", S.topic_decisions, False),
