@@ -221,7 +221,12 @@ class ResendIndex:
             digest = next((v for k, v in headers if k == CONTENT_HASH), None)
             if not digest:
                 continue
-            record = orjson.loads(value)
+            try:
+                record = orjson.loads(value)
+            except orjson.JSONDecodeError:
+                continue  # not a worker's decision (only workers may write here): never an entry
+            if not isinstance(record, dict):
+                continue
             user, txid = record.get("user_id"), record.get("transaction_id")
             if not isinstance(user, str) or not isinstance(txid, str):
                 continue

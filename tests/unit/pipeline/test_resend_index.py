@@ -72,6 +72,8 @@ def test_decision_records_restore_what_was_added(store: IndexStore) -> None:
     # A cached answer and a rejection carry no entry header: not entries.
     cached, rejected = tx(8), tx(9)
     records += [(record(cached, cached=True), [("decision-signature", b"s")], 995.0), (record(rejected, "reject"), None, 995.0)]
+    # Nothing a worker wrote: skipped, not a restore that fails on every assignment.
+    records += [(b"\xff not json", [ResendIndex.entry_header(tx(10))], 995.0), (b"[1]", [ResendIndex.entry_header(tx(11))], 995.0)]
 
     index = ResendIndex(store, TTL_S, clock=lambda: clock[0])
     assert index.restored_to("dec", 0) is None
