@@ -156,7 +156,7 @@ class ScoringLoop:
         for seq, outcome in outcomes:
             batches = self.pending.pop(seq, [])
             if outcome == "committed":
-                self.cache.committed([item for _, output, _ in batches for item in output.index_entries])
+                self.cache.committed([item for _, output, _ in batches for item in output.indexed])
                 # One write to the shared cache (if any) per transaction, not per
                 # batch: a round trip is worth more than the bytes it carries.
                 if self.shared_cache:

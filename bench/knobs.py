@@ -72,12 +72,12 @@ KNOBS: dict[str, dict[str, str]] = {
     # Scores from XGBoost instead of the compiled trees (models/compiled.py).
     "xgboost_trees": {"FRAUD_COMPILED_TREES": "false"},
     "compiled_trees": {"FRAUD_COMPILED_TREES": "true"},
-    # Two processes in one group (4 partitions each): the other core, shared
-    # with the broker, Redis and the load generator.
     # Half the partitions: what a transaction pays per partition it writes
     # (librdkafka sends one produce request per partition; the coordinator a
     # marker to each).
     "partitions_4": {"FRAUD_PARTITIONS": "4"},
+    # Two processes in one group (4 partitions each): the other core, shared
+    # with the broker, Redis and the load generator.
     "workers_2": {},
     "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
     # The worker of another checkout (``--base``: the code before a change), with the same settings.

@@ -46,17 +46,15 @@ from typing import Any, Protocol
 
 import orjson
 
+from app.changelog import Record
 from app.contract import Transaction
 from app.redis_keys import content_hash, decision_hash_key, decision_id_key, decision_keys
 
-__all__ = ["CONTENT_HASH", "ChangelogRecord", "IndexStore", "MemoryStore", "ResendIndex", "RocksStore", "indexed_value"]
+__all__ = ["CONTENT_HASH", "IndexStore", "MemoryStore", "ResendIndex", "RocksStore", "indexed_value"]
 
 #: The header of a new decision that makes it an index entry: its
 #: transaction's content hash (app/redis_keys.py, ``content_hash``).
 CONTENT_HASH = "decision-content-hash"
-
-#: (value, headers, timestamp in seconds): a record of ``decisions`` as a restore reads it.
-ChangelogRecord = tuple[bytes | None, Sequence[tuple[str, bytes]] | None, float]
 
 #: What a decision's index entry leaves out: they differ per delivery and a
 #: cached answer carries its own (pipeline/scorer.py, ``_emit_cached``).
@@ -206,7 +204,7 @@ class ResendIndex:
         """The header that makes a new decision of ``tx`` an index entry."""
         return CONTENT_HASH, content_hash(tx).encode()
 
-    def restore(self, records: Iterable[ChangelogRecord], topic: str, restored_to: dict[int, int] | None = None) -> int:
+    def restore(self, records: Iterable[Record], topic: str, restored_to: dict[int, int] | None = None) -> int:
         """Apply records of ``decisions``, and record up to which offset each
         partition of ``topic`` is restored, in one write. Only new decisions
         (those with a ``CONTENT_HASH`` header) are entries. Returns how many

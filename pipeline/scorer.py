@@ -129,7 +129,7 @@ class BatchOutput:
     indexed: list[tuple[Transaction, bytes]] = field(default_factory=list)
     """Each new decision of a partition as the resend index keeps it
     (pipeline/resend_index.py): its record in ``decisions`` is the index's
-    changelog; an index entry once its transaction committed."""
+    changelog; an index entry once its transaction committed (``LocalFirstCache.committed``)."""
     rerouted: list[tuple[int, Inbound]] = field(default_factory=list)
     """Records found away from their home partition (app/placement.py), each
     with its home: produced there in the batch's transaction, not decided here."""
@@ -154,11 +154,7 @@ class BatchOutput:
         decisions, dlq, feedback, monitoring = (
             topics["decisions"], topics["dead_letters"], topics["feedback"], topics["monitoring"],
         )  # fmt: skip
-        out: list[Record] = [
-            (decisions, k, v, [*h, *sign.headers(v)] if sign is not None else h)
-            for k, v, p, h in self.decisions
-            if p is None
-        ]
+        out: list[Record] = [(decisions, k, v, _signed(sign, v, h)) for k, v, p, h in self.decisions if p is None]
         out += [(dlq, k, v, []) for k, v in self.dead_letters]
         out += [(feedback, k, v, []) for k, v in self.feedback]
         if self.monitoring is not None:
@@ -171,24 +167,20 @@ class BatchOutput:
         its transaction's partition, signed by ``sign`` here, once) and the
         re-routed transactions."""
         decisions = topics["decisions"]
-        out: list[Placed] = [
-            (decisions, p, k, v, [*h, *sign.headers(v)] if sign is not None else h)
-            for k, v, p, h in self.decisions
-            if p is not None
-        ]
+        out: list[Placed] = [(decisions, p, k, v, _signed(sign, v, h)) for k, v, p, h in self.decisions if p is not None]
         transactions = topics["transactions"]
         for home, msg in self.rerouted:
             out.append((transactions, home, msg.key, msg.value, list(msg.headers.items())))
         return out
 
-    @property
-    def index_entries(self) -> list[tuple[Transaction, bytes]]:
-        """The new decisions as the resend index keeps them (for :meth:`HoldingCache.committed`)."""
-        return self.indexed
-
 
 class Signs(Protocol):
     def headers(self, value: bytes) -> list[tuple[str, bytes]]: ...
+
+
+def _signed(sign: Signs | None, value: bytes, headers: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """A decision's headers with its signature (by ``sign``, if any) after them."""
+    return [*headers, *sign.headers(value)] if sign is not None else headers
 
 
 @dataclass

@@ -247,7 +247,7 @@ def test_scorer_built_for_a_cluster_url(
         now = time.time()
         batch = [Inbound(orjson.dumps(d), {}, now, 0, i) for i, d in enumerate(docs)]
         first = await scorer.score_batch(batch)
-        scorer.cache.committed(first.index_entries)  # type: ignore[attr-defined]  # as the loop after a commit
+        scorer.cache.committed(first.indexed)  # type: ignore[attr-defined]  # as the loop after a commit
         again = await scorer.score_batch([Inbound(m.value, {}, now, 1, m.offset) for m in batch])
         return [orjson.loads(v) for _, v, *_ in first.decisions], [orjson.loads(v) for _, v, *_ in again.decisions]
 

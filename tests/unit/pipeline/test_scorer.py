@@ -672,7 +672,7 @@ def test_with_a_resend_index_a_stalled_redis_decides_nothing_provisionally(world
     assert scorer.cache.unchecked == 0  # type: ignore[attr-defined]
 
     # Committed: into the index; a resend (another batch, another worker's cache) is answered from it.
-    scorer.cache.committed(out.index_entries)  # type: ignore[attr-defined]
+    scorer.cache.committed(out.indexed)  # type: ignore[attr-defined]
     fresh = make_scorer(world, ensemble, cache=LocalFirstCache(None, index=scorer.cache.index))  # type: ignore[attr-defined]
     again = decisions(asyncio.run(fresh.score_batch([inbound(d, world, correlation="again") for d in docs[:3]])))
     assert [d["cached"] for d in again] == [True] * 3
@@ -708,7 +708,7 @@ def test_each_decision_goes_to_its_transaction_s_partition_a_new_one_as_an_index
     restored = ResendIndex(MemoryStore(), 3600)
     assert restored.restore([(value, headers, time.time()) for _, _, _, value, headers in placed], "dec") == 3
     txs = [validate(orjson.dumps(d), world.now, Limits()) for d in docs]
-    held = [orjson.loads(v) for _, v in out.index_entries]
+    held = [orjson.loads(v) for _, v in out.indexed]
     assert [orjson.loads(f or b"null") for f in restored.get_many(txs)] == held  # type: ignore[arg-type]
     assert all("latency_ms" not in entry for entry in held)  # per delivery: a cached answer carries its own
 
