@@ -264,6 +264,10 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
             # be restarted, instead of serving /metrics while deciding nothing.
             await stream.start()
             scorer.placement = await placement(stream, settings)
+            # Whatever this worker's producer wrote to decisions in an earlier
+            # life (a kill -9 just after a broker restart) ends before it
+            # decides anything (ExactlyOnce._hand_over).
+            await stream.hand_over(range(scorer.placement.partitions))
             freeze_startup_heap()
             watchdog.start(asyncio.get_running_loop())  # joining restores the partitions' resend index
             first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, outputs)
@@ -361,6 +365,9 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
         fetch_min_bytes=settings.fetch_min_bytes,
         fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
         settle_s=settings.commit_settle_s,
+        # Decisions go to the partition numbered as their transaction's: a
+        # partition given up gets a handover record (ExactlyOnce._hand_over).
+        handover_topic=settings.topic_decisions,
     )
     stream.on_result = lambda result: metrics.transactions.labels(result).inc()
     stream.on_commit_seconds = metrics.commit_seconds.observe

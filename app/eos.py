@@ -38,13 +38,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ExactlyOnce", "Placed", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
+__all__ = ["ExactlyOnce", "HANDOVER_HEADER", "Placed", "Record", "TakenBatch", "TRANSACTION_TIMEOUT_MS"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,12 @@ RELEASE_PENDING_AFTER_S = 5.0
 
 #: How long each poll of :meth:`ExactlyOnce.join` waits for the assignment.
 JOIN_POLL_S = 0.1
+
+#: The header of a handover record (:meth:`ExactlyOnce._hand_over`): a record
+#: with an empty value, carrying no outcome, that readers skip.
+HANDOVER_HEADER = "txn-handover"
+#: How soon a handover that failed (the broker unreachable) is tried again.
+HANDOVER_RETRY_S = 1.0
 
 #: (topic, key, value, headers): one record to produce, on its key's partition.
 Record = tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]
@@ -196,6 +202,7 @@ class ExactlyOnce:
         fetch_min_bytes: int = 1,
         fetch_max_wait_ms: int = 100,
         settle_s: float = 0.0,
+        handover_topic: str | None = None,
         consumer_factory: Callable[[dict[str, object]], Any] | None = None,
         producer_factory: Callable[[dict[str, object]], Any] | None = None,
     ) -> None:
@@ -254,6 +261,13 @@ class ExactlyOnce:
         # begun within it of the last commit's end; it was the answer before
         # the gate group, and now only adds latency (docs/performance.md).
         self.settle_s = settle_s
+        #: The topic written at the input's partition numbers (each record's
+        #: outcome on the partition numbered as its own), if any: see _hand_over.
+        self.handover_topic = handover_topic
+        #: Its partitions that this worker's producer may have written and
+        #: writes no more: each gets a handover record (_hand_over).
+        self._handover_due: set[int] = set()
+        self._handover_at = 0.0
         self._committed_at = float("-inf")  # no commit yet: no pause
         self._sleep: Callable[[float], None] = time.sleep
         self._consumer_factory = consumer_factory or (lambda c: _kafka().Consumer(c))
@@ -400,6 +414,8 @@ class ExactlyOnce:
         self.generation += 1
         numbers = {tp.partition for tp in partitions}
         self.assigned -= numbers
+        if self.handover_topic is not None:
+            self._handover_due |= numbers
         for p in numbers:
             self.committed_offsets.pop(p, None)
             self._unsought.pop(p, None)  # its new owner reads the committed offset
@@ -416,6 +432,8 @@ class ExactlyOnce:
         return TakenBatch.of(messages, self.generation)
 
     def _take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> list[Any]:
+        if self._handover_due and self._txn is None and time.monotonic() >= self._handover_at:
+            self._hand_over()
         if self._unsought:
             unsought, self._unsought = self._unsought, {}
             self._seek(unsought)  # what fails again stays in _unsought
@@ -753,6 +771,59 @@ class ExactlyOnce:
             log.warning("dropping this worker's pending offsets failed (%s): its producer is replaced", exc)
             self._replace_producer()
         return True
+
+    async def hand_over(self, partitions: Iterable[int]) -> None:
+        """Give ``partitions`` of the handover topic a handover record before
+        the next take (a worker that starts: every partition its producer may
+        have written in an earlier life)."""
+        await self._call(self._handover_due.update, set(partitions))
+
+    def _hand_over(self) -> None:
+        """Write a handover record on each partition of ``handover_topic`` this
+        producer may have written and no longer does, in a transaction of its
+        own, committed; kept due and tried again if that fails.
+
+        NOTE: Kafka 4.4.0 can complete a transaction without writing its
+        marker on a partition that has no leader for a moment, as after the
+        only broker restarted (RELIABILITY.md, known gap 3). Its records there
+        then hang: the partition's last stable offset stays before them, and
+        every ``read_committed`` reader (the gateway, clients, the resend
+        index's restore) sees nothing written there after them, until a marker
+        of the same producer reaches the partition. Written on the partition
+        numbered as their input's, a worker's decisions reach a partition
+        only while it owns that input partition, and a restarted broker moves
+        partitions (the group rebalances): without this, the next marker might
+        never come, and every later decision there would stay unseen. This
+        record's commit marker commits the hanging records with it. For a
+        transaction the coordinator committed, that is its outcome; for one it
+        aborted, its records were decided again and answered from the resend
+        index (agreeing doubles, as a skipped marker on a partition this
+        worker still writes gives). With no marker missing, it is one empty
+        record: readers skip a record with an empty value (docs/contract.md).
+        """
+        due = sorted(self._handover_due - self.assigned)
+        if not due:
+            self._handover_due.clear()
+            return
+        kafka = _kafka()
+        producer = self._producer
+        topic = self.handover_topic
+        try:
+            producer.begin_transaction()
+            for p in due:
+                producer.produce(topic, b"", None, p, headers=[(HANDOVER_HEADER, b"")])
+            producer.commit_transaction(TXN_CALL_TIMEOUT_S)
+        except kafka.KafkaException as exc:
+            log.warning("handing over partitions %s of %s failed (%s): tried again in %.0f s",
+                        due, topic, exc, HANDOVER_RETRY_S)  # fmt: skip
+            self._handover_at = time.monotonic() + HANDOVER_RETRY_S
+            try:
+                producer.abort_transaction(TXN_CALL_TIMEOUT_S)
+            except kafka.KafkaException:
+                self._replace_producer()  # fatal, or its state unknown: a new epoch ends what it left open
+            return
+        self._handover_due.clear()
+        log.info("handed over partitions %s of %s (a commit marker of this producer on each)", due, topic)
 
     def _replace_producer(self) -> None:
         kafka = _kafka()

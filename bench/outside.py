@@ -353,9 +353,10 @@ def stamp(args: argparse.Namespace) -> int:
         first = consumer.poll(0.05)
         now = time.time()
         for msg in [first, *consumer.consume(10_000, 0)] if first is not None else []:
-            if msg.error() is not None:
-                continue
-            doc = orjson.loads(msg.value() or b"{}")
+            value = msg.value()
+            if msg.error() is not None or not value:
+                continue  # an empty value: a worker's handover record (app/eos.py), no decision
+            doc = orjson.loads(value)
             why = None
             if doc.get("degraded"):
                 words = doc.get("explanation") or ()

@@ -125,6 +125,15 @@ class FakeKafka:
         #: marker of that producer there (a transaction of its with offsets of
         #: the group, committed or aborted) ends them.
         self.offsets_left_pending: set[str] = set()
+        #: Partitions whose next transaction marker is skipped (Kafka 4.4.0, the
+        #: same known gap): the next commit there leaves its records hanging.
+        self.skip_marker: set[tuple[str, int]] = set()
+        #: Per hanging partition, the transactional id and the first offset
+        #: of its records there: ``read_committed`` readers see nothing of the
+        #: partition from that offset on, until a commit marker of the same id
+        #: reaches it (a transaction of that id that wrote there commits; an
+        #: abort's marker would abort them, which is not modelled).
+        self.hanging: dict[tuple[str, int], tuple[str, int]] = {}
         #: Reads of the group's committed offsets (a round trip to its coordinator).
         self.committed_reads = 0
         #: Partitions whose committed offset the client itself does not learn at
@@ -196,8 +205,13 @@ class FakeKafka:
     # -- what a test reads -------------------------------------------------------------
 
     def visible(self, topic: str) -> list[Message]:
-        """Every committed record of ``topic`` (what read_committed readers see), by partition."""
-        return [m for p in range(self.partitions.get(topic, 1)) for m in self.logs[(topic, p)]]
+        """Every committed record of ``topic`` before any hanging transaction
+        (what read_committed readers see), by partition."""
+        return [
+            m
+            for p in range(self.partitions.get(topic, 1))
+            for m in self.logs[(topic, p)][: self.hanging.get((topic, p), ("", None))[1]]
+        ]
 
     def values(self, topic: str) -> list[dict[str, Any]]:
         return [orjson.loads(m.value()) for m in self.visible(topic)]
@@ -432,8 +446,12 @@ class FakeProducer:
             raise KafkaException(err)
         if txn.must_abort:
             raise KafkaException(error(KafkaError._STATE, abortable=True))
+        self._mark(txn)
         for topic, partition, key, value, headers in txn.records:
             log = self.kafka.logs[(topic, partition)]
+            if (topic, partition) in self.kafka.skip_marker:
+                self.kafka.skip_marker.discard((topic, partition))
+                self.kafka.hanging[(topic, partition)] = (self.id, len(log))
             log.append(Message(topic=topic, partition=partition, offset=len(log), key=key, value=value,
                                headers=headers, timestamp=(1, 0)))  # fmt: skip
         self.kafka.offsets.update(txn.offsets)
@@ -461,6 +479,13 @@ class FakeProducer:
                 self.kafka.offsets_left_pending.discard(self.id)
         self.txn = None
         self.kafka.open.pop(self.id, None)
+
+    def _mark(self, txn: _Txn) -> None:
+        """This transaction's commit markers: each partition it wrote that an
+        earlier transaction of this id left hanging is hanging no more."""
+        for topic, partition, *_ in txn.records:
+            if self.kafka.hanging.get((topic, partition), ("",))[0] == self.id:
+                del self.kafka.hanging[(topic, partition)]
 
     def poll(self, timeout: float | None = None) -> int:
         return 0

@@ -404,6 +404,8 @@ class _LoadRun:
                 if msg.error() is not None:
                     continue
                 value = msg.value()
+                if not value:
+                    continue  # a worker's handover record (app/eos.py): no decision
                 doc = orjson.loads(value)
                 if keys is not None and verify_every and doc.get("transaction_id") in self.sent_at:
                     # Only ours are worth a signature check, and of those a sample.

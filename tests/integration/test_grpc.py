@@ -210,6 +210,8 @@ async def decision_on_topic(bootstrap: str, topic: str, correlation_id: str, tim
         while time.monotonic() < deadline:
             for records in (await consumer.getmany(timeout_ms=200)).values():
                 for record in records:
+                    if not record.value:
+                        continue  # a worker's handover record (app/eos.py)
                     doc = orjson.loads(record.value)
                     if doc.get("correlation_id") == correlation_id:
                         return doc

@@ -143,6 +143,8 @@ async def read_outcomes(
             seen_at = time.time()
             for tp, records in batches.items():
                 for record in records:
+                    if not record.value:
+                        continue  # a worker's handover record on decisions (app/eos.py)
                     doc = orjson.loads(record.value)
                     if tp.topic == topics.decisions:
                         out.decisions.append(doc)

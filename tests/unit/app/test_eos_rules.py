@@ -25,10 +25,10 @@ def new_kafka() -> FakeKafka:
     return FakeKafka({TOPIC: 2, OUT: 1})
 
 
-def stream(kafka: FakeKafka, worker: str = "w1") -> ExactlyOnce:
+def stream(kafka: FakeKafka, worker: str = "w1", handover_topic: str | None = None) -> ExactlyOnce:
     s = ExactlyOnce(
         topic=TOPIC, group_id=GROUP, transactional_id=f"{GROUP}-{TOPIC}-{worker}", client_config={},
-        consumer_factory=kafka.consumer, producer_factory=kafka.producer,
+        handover_topic=handover_topic, consumer_factory=kafka.consumer, producer_factory=kafka.producer,
     )  # fmt: skip
     s.results = []  # type: ignore[attr-defined]
     s.on_result = s.results.append  # type: ignore[attr-defined]
@@ -772,3 +772,121 @@ def test_the_gate_group_shares_the_scoring_groups_offsets_partition() -> None:
         assert gate.startswith(f"{group}-gate")
         for partitions in (1, 8, 50, 200):
             assert _kafka_group_partition(gate, partitions) == _kafka_group_partition(group, partitions)
+
+
+# -- handover: no transaction of this producer left hanging on a partition it no longer writes --
+
+
+def placed(batch: TakenBatch) -> list[tuple[str, int, bytes | None, bytes, list[tuple[str, bytes]]]]:
+    """One output record per input record, on the partition numbered as its input's (as decisions are)."""
+    return [(OUT, m.partition(), m.key(), m.value(), []) for m in batch.messages]
+
+
+def handovers(kafka: FakeKafka) -> list[int]:
+    """The partitions of OUT that show a handover record, one entry per record."""
+    return [m.partition() for m in kafka.visible(OUT) if dict(m.headers() or ()).get(eos.HANDOVER_HEADER) == b""]
+
+
+def test_decisions_behind_a_transaction_left_hanging_by_the_partitions_last_owner_become_visible() -> None:
+    """Kafka 4.4.0 skipped the commit marker of w1's transaction on partition 1
+    of the output (the only broker restarted); partition 1 then moved to w2,
+    whose decisions there stayed unseen behind w1's records, until w1 handed
+    the partition over: its handover record's commit marker ends the hang."""
+    kafka = FakeKafka({TOPIC: 2, OUT: 2})
+    fill(kafka, 1, 2)
+
+    async def go() -> None:
+        a = stream(kafka, "w1", OUT)
+        await a.start()
+        await joined(a)
+        b = stream(kafka, "w2", OUT)
+        try:
+            batch = await take(a)
+            kafka.skip_marker.add((OUT, 1))
+            await a.send(batch, [], placed(batch))
+            assert await a.commit() == [(1, "committed")]
+            assert seen(kafka) == []  # hanging: the commit's marker never reached the partition
+            await b.start()  # joins: partition 1 moves to it
+            assert (await take(a)).messages == []  # the revocation, inside consume
+            await joined(b)
+            fill(kafka, 1, 1)
+            mine = await take(b)
+            assert taken(mine) == [(1, 2)]
+            await b.send(mine, [], placed(mine))
+            assert await b.commit() == [(1, "committed")]
+            assert seen(kafka) == []  # w2's decision, behind w1's hanging records
+            await take(a)  # w1's next take hands partition 1 over
+            assert seen(kafka) == [b"p1-0", b"p1-1", b"p1-2", b""]
+            assert handovers(kafka) == [1]
+            await take(a)
+            assert handovers(kafka) == [1]  # once
+        finally:
+            await b.close()
+            await a.close()
+
+    asyncio.run(go())
+
+
+def test_a_starting_worker_hands_over_every_partition_before_its_first_take_and_only_then() -> None:
+    """A worker restarted (kill -9) after a broker restart left its earlier
+    life's records hanging where it may no longer write: each partition of the
+    output gets one handover record before the worker takes anything."""
+    kafka = FakeKafka({TOPIC: 2, OUT: 2})
+    fill(kafka, 0, 1)
+
+    async def go() -> None:
+        s = stream(kafka, "w1", OUT)
+        await s.start()
+        try:
+            await s.hand_over(range(2))
+            await s.join(100, 1.0)
+            assert handovers(kafka) == [0, 1]
+            batch = await take(s)
+            await s.send(batch, [], placed(batch))
+            await s.commit()
+            await take(s)
+            assert handovers(kafka) == [0, 1]
+            assert [m.value() for m in kafka.visible(OUT)] == [b"", b"p0-0", b""]
+        finally:
+            await s.close()
+
+    asyncio.run(go())
+
+
+def test_a_handover_that_fails_is_tried_again_and_shows_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(eos, "HANDOVER_RETRY_S", 0.0)
+    kafka = FakeKafka({TOPIC: 2, OUT: 3})  # 2: a partition this worker does not own
+    kafka.commit_errors.append(error(KafkaError._TIMED_OUT, abortable=True))
+
+    async def go() -> None:
+        s = stream(kafka, "w1", OUT)
+        await s.start()
+        try:
+            await s.hand_over([2])
+            await joined(s)  # the first take tries, and fails: aborted
+            assert handovers(kafka) == [] and kafka.events("abort") == [("abort", s.transactional_id, 1)]
+            await take(s)
+            assert handovers(kafka) == [2]
+            await take(s)
+            assert handovers(kafka) == [2]
+        finally:
+            await s.close()
+
+    asyncio.run(go())
+
+
+def test_without_a_handover_topic_a_revocation_writes_nothing() -> None:
+    kafka = new_kafka()
+    fill(kafka, 1, 1)
+
+    async def body(a: ExactlyOnce) -> None:
+        b = stream(kafka, "w2")
+        await b.start()
+        try:
+            assert (await take(a)).messages == []  # partition 1 revoked
+            await take(a)
+        finally:
+            await b.close()
+
+    run(kafka, body)
+    assert kafka.events("commit") == [] and kafka.visible(OUT) == []
