@@ -800,6 +800,9 @@ class ExactlyOnce:
         index (agreeing doubles, as a skipped marker on a partition this
         worker still writes gives). With no marker missing, it is one empty
         record: readers skip a record with an empty value (docs/contract.md).
+        A handover that aborts (the broker lost again before its commit) ends
+        a hang the other way, its abort marker aborting the hanging records
+        too: Kafka gives a producer no marker that commits without a commit.
         """
         due = sorted(self._handover_due - self.assigned)
         if not due:
@@ -812,7 +815,14 @@ class ExactlyOnce:
             producer.begin_transaction()
             for p in due:
                 producer.produce(topic, b"", None, p, headers=[(HANDOVER_HEADER, b"")])
-            producer.commit_transaction(TXN_CALL_TIMEOUT_S)
+            for attempt in range(COMMIT_RETRIES):
+                try:
+                    producer.commit_transaction(TXN_CALL_TIMEOUT_S)
+                    break
+                except kafka.KafkaException as exc:
+                    err = exc.args[0] if exc.args else None
+                    if err is None or not err.retriable() or attempt + 1 == COMMIT_RETRIES:
+                        raise
         except kafka.KafkaException as exc:
             log.warning("handing over partitions %s of %s failed (%s): tried again in %.0f s",
                         due, topic, exc, HANDOVER_RETRY_S)  # fmt: skip

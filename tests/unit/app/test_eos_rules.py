@@ -890,3 +890,22 @@ def test_without_a_handover_topic_a_revocation_writes_nothing() -> None:
 
     run(kafka, body)
     assert kafka.events("commit") == [] and kafka.visible(OUT) == []
+
+
+def test_a_handover_commit_that_fails_retriably_is_retried_and_not_aborted() -> None:
+    """An abort would end a hanging transaction of this producer aborted (its
+    records dropped): a retriable commit error is asked again instead."""
+    kafka = FakeKafka({TOPIC: 2, OUT: 3})
+    kafka.commit_errors.append(error(KafkaError._TIMED_OUT, retriable=True))
+
+    async def go() -> None:
+        s = stream(kafka, "w1", OUT)
+        await s.start()
+        try:
+            await s.hand_over([2])
+            await joined(s)
+            assert handovers(kafka) == [2] and kafka.events("abort") == []
+        finally:
+            await s.close()
+
+    asyncio.run(go())
