@@ -203,10 +203,7 @@ class Replies(TopicReader):
 
         A decision must carry a valid signature by a published key: one that
         does not is no answer (the request keeps waiting for the genuine one,
-        or times out), and is counted in ``unverified``. An empty value is a
-        worker's handover record (app/eos.py), no outcome: skipped."""
-        if not value:
-            return False
+        or times out), and is counted in ``unverified``."""
         try:
             doc = orjson.loads(value)
         except orjson.JSONDecodeError:

@@ -420,8 +420,6 @@ class Collector:
         self.by_tx: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.by_corr: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.dlq_by_corr: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        #: Handover records seen on decisions (an empty value: no decision).
-        self.handovers = 0
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -459,8 +457,7 @@ class Collector:
             for tp, records in batches.items():
                 for record in records:
                     if not record.value:
-                        self.handovers += 1  # a worker's handover record (app/eos.py): no decision
-                        continue
+                        continue  # a worker's handover record (app/eos.py): no decision
                     doc = orjson.loads(record.value)
                     doc["_seen_at"] = seen_at
                     if tp.topic == self.topics.decisions:

@@ -59,9 +59,11 @@ def consumer_of(kafka: FakeKafka, s: ExactlyOnce) -> FakeConsumer:
     return consumer
 
 
-def run(kafka: FakeKafka, body: Callable[..., Awaitable[Any]], workers: int = 1) -> Any:
+def run(
+    kafka: FakeKafka, body: Callable[..., Awaitable[Any]], workers: int = 1, handover_topic: str | None = None
+) -> Any:
     async def go() -> Any:
-        streams = [stream(kafka, f"w{i + 1}") for i in range(workers)]
+        streams = [stream(kafka, f"w{i + 1}", handover_topic) for i in range(workers)]
         try:
             for s in streams:
                 await s.start()
@@ -795,10 +797,7 @@ def test_decisions_behind_a_transaction_left_hanging_by_the_partitions_last_owne
     kafka = FakeKafka({TOPIC: 2, OUT: 2})
     fill(kafka, 1, 2)
 
-    async def go() -> None:
-        a = stream(kafka, "w1", OUT)
-        await a.start()
-        await joined(a)
+    async def body(a: ExactlyOnce) -> None:
         b = stream(kafka, "w2", OUT)
         try:
             batch = await take(a)
@@ -822,9 +821,8 @@ def test_decisions_behind_a_transaction_left_hanging_by_the_partitions_last_owne
             assert handovers(kafka) == [1]  # once
         finally:
             await b.close()
-            await a.close()
 
-    asyncio.run(go())
+    run(kafka, body, handover_topic=OUT)
 
 
 def test_a_starting_worker_hands_over_every_partition_before_its_first_take_and_only_then() -> None:
@@ -858,21 +856,16 @@ def test_a_handover_that_fails_is_tried_again_and_shows_once(monkeypatch: pytest
     kafka = FakeKafka({TOPIC: 2, OUT: 3})  # 2: a partition this worker does not own
     kafka.commit_errors.append(error(KafkaError._TIMED_OUT, abortable=True))
 
-    async def go() -> None:
-        s = stream(kafka, "w1", OUT)
-        await s.start()
-        try:
-            await s.hand_over([2])
-            await joined(s)  # the first take tries, and fails: aborted
-            assert handovers(kafka) == [] and kafka.events("abort") == [("abort", s.transactional_id, 1)]
-            await take(s)
-            assert handovers(kafka) == [2]
-            await take(s)
-            assert handovers(kafka) == [2]
-        finally:
-            await s.close()
+    async def body(s: ExactlyOnce) -> None:
+        await s.hand_over([2])
+        await take(s)  # tries, and fails: aborted
+        assert handovers(kafka) == [] and kafka.events("abort") == [("abort", s.transactional_id, 1)]
+        await take(s)
+        assert handovers(kafka) == [2]
+        await take(s)
+        assert handovers(kafka) == [2]
 
-    asyncio.run(go())
+    run(kafka, body, handover_topic=OUT)
 
 
 def test_without_a_handover_topic_a_revocation_writes_nothing() -> None:
@@ -898,14 +891,9 @@ def test_a_handover_commit_that_fails_retriably_is_retried_and_not_aborted() -> 
     kafka = FakeKafka({TOPIC: 2, OUT: 3})
     kafka.commit_errors.append(error(KafkaError._TIMED_OUT, retriable=True))
 
-    async def go() -> None:
-        s = stream(kafka, "w1", OUT)
-        await s.start()
-        try:
-            await s.hand_over([2])
-            await joined(s)
-            assert handovers(kafka) == [2] and kafka.events("abort") == []
-        finally:
-            await s.close()
+    async def body(s: ExactlyOnce) -> None:
+        await s.hand_over([2])
+        await take(s)
+        assert handovers(kafka) == [2] and kafka.events("abort") == []
 
-    asyncio.run(go())
+    run(kafka, body, handover_topic=OUT)
