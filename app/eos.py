@@ -432,8 +432,7 @@ class ExactlyOnce:
         return TakenBatch.of(messages, self.generation)
 
     def _take(self, max_records: int, within_s: float, idle_s: float = 0.0) -> list[Any]:
-        if self._handover_due and self._txn is None and time.monotonic() >= self._handover_at:
-            self._hand_over()
+        self._hand_over_if_due()  # an idle worker: no transaction open at its takes
         if self._unsought:
             unsought, self._unsought = self._unsought, {}
             self._seek(unsought)  # what fails again stays in _unsought
@@ -481,6 +480,9 @@ class ExactlyOnce:
         if batch.generation != self.generation:
             self._void(batch)
             return None
+        # A busy worker: each take comes with a transaction open (the last
+        # batch's), so what is due is handed over before the next one begins.
+        self._hand_over_if_due()
         producer = self._producer
         try:
             if self._txn is None:
@@ -774,9 +776,14 @@ class ExactlyOnce:
 
     async def hand_over(self, partitions: Iterable[int]) -> None:
         """Give ``partitions`` of the handover topic a handover record before
-        the next take (a worker that starts: every partition its producer may
-        have written in an earlier life)."""
+        the next transaction or take (a worker that starts: every partition
+        its producer may have written in an earlier life)."""
         await self._call(self._handover_due.update, set(partitions))
+
+    def _hand_over_if_due(self) -> None:
+        """:meth:`_hand_over` what is due, if no transaction of this producer is open."""
+        if self._handover_due and self._txn is None and time.monotonic() >= self._handover_at:
+            self._hand_over()
 
     def _hand_over(self) -> None:
         """Write a handover record on each partition of ``handover_topic`` this

@@ -825,6 +825,36 @@ def test_decisions_behind_a_transaction_left_hanging_by_the_partitions_last_owne
     run(kafka, body, handover_topic=OUT)
 
 
+def test_a_busy_worker_hands_over_a_partition_it_gave_up_before_its_next_transaction() -> None:
+    """Under steady load every take comes with the last batch's transaction
+    open (the loop commits after it takes, then sends): the partition given up
+    is handed over when the next transaction begins, not at a take."""
+    kafka = FakeKafka({TOPIC: 2, OUT: 2})
+    fill(kafka, 0, 2)
+    fill(kafka, 1, 2)
+
+    async def body(a: ExactlyOnce) -> None:
+        b = stream(kafka, "w2", OUT)
+        try:
+            batch = await take(a)
+            await a.send(batch, [], placed(batch))
+            await b.start()
+            fill(kafka, 0, 1)
+            batch = await take(a)  # partition 1 revoked inside: the open transaction commits
+            await joined(b)
+            for _ in range(3):  # take, commit, send: as ScoringLoop.step under load
+                fill(kafka, 0, 1)
+                await a.send(batch, [], placed(batch))
+                batch = await take(a)
+                assert a.open_since is not None
+                await a.commit()
+            assert handovers(kafka) == [1]
+        finally:
+            await b.close()
+
+    run(kafka, body, handover_topic=OUT)
+
+
 def test_a_starting_worker_hands_over_every_partition_before_its_first_take_and_only_then() -> None:
     """A worker restarted (kill -9) after a broker restart left its earlier
     life's records hanging where it may no longer write: each partition of the
