@@ -104,11 +104,16 @@ def main() -> None:
     parser.add_argument("--label", help="tag the rows (e.g. the code version in an A/B)")
     parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     parser.add_argument("--base", help="another checkout of this project: the worker of the knob 'base'")
+    parser.add_argument("--velocity-events", type=int, default=0,
+                        help="give every user of the population this many velocity events in the last day "
+                        "first: a long run's Redis state (25-32 a user after a million transactions)")
     args = parser.parse_args()
     phase = Phase(warmup_s=args.warmup, measure_s=args.seconds, drain_s=15.0)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-knobs-") as tmp, services(Path(tmp)) as svc:
         prepare(svc)
+        if args.velocity_events:
+            seed_velocity(svc.redis_url, args.velocity_events)
         bench = Bench(QUICK_PLAN, svc, Path(tmp), time.monotonic())
         for name in args.knobs:
             saved = {k: os.environ.get(k) for k in KNOBS[name]}
@@ -162,6 +167,31 @@ def main() -> None:
     from bench.plots import knobs_plot
 
     print(knobs_plot(doc, args.out.with_suffix(".png")))
+
+
+def seed_velocity(redis_url: str, events: int) -> None:
+    """Every population user's velocity set as after a long run: ``events``
+    events of the last 24 h (velocity_member's shape, as the worker adds them)."""
+    import random
+
+    import redis
+
+    from app.redis_keys import velocity_key
+    from pipeline.feature_store import VELOCITY_RETENTION_S
+    from tools.loadgen import _population
+
+    rng = random.Random(11)
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    pipe = client.pipeline(transaction=False)
+    for n, user in enumerate(_population(POPULATION).user_id):
+        key = velocity_key(str(user))
+        pipe.zadd(key, {f"seed-{n}-{e}|{rng.uniform(1, 300)!r}": now - rng.uniform(60, 86_000) for e in range(events)})
+        pipe.expire(key, int(VELOCITY_RETENTION_S))
+        if n % 2000 == 1999:
+            pipe.execute()
+    pipe.execute()
+    client.close()
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ HEADER = 10
 #: argument on its own, 12-14 % of the loop's time at 64 records under cProfile
 #: (docs/performance.md).
 
-#: KEYS: each transaction's two decision keys (2m), then its velocity key (m),
-#: the b buckets, the s signatures. Profiles and merchants are read only, so
+#: KEYS: each transaction's two decision keys (2m; none when the script does
+#: not look in the decision cache), then its velocity key (m), the b buckets,
+#: the s signatures. Profiles and merchants are read only, so
 #: they are ARGV after the transactions (see BATCH_ENRICH_SCRIPT). Returns
 #: {per transaction: its cached decision, the 1-based number of the earlier
 #: copy it follows, or 0 (a first copy); the replay guard's reply for the
@@ -90,10 +91,12 @@ local m, b, p = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
 local T = HEADER + 2 * b
 local rows = cjson.decode(ARGV[T + 1])
 local function at(i, k) return rows[i][k] end
+local cached = ARGV[10] == '1'
+-- where the velocity keys start: after the decision keys, if any
+local V = cached and 2 * m or 0
 
 -- 1. the decision cache: a hit is answered; a second copy follows its first (lookup.in_batch_copies)
 local status, leaders, first = {}, {}, {}
-local cached = ARGV[10] == '1'
 for i = 1, m do
   local hit = false
   if cached then
@@ -120,7 +123,7 @@ for _, i in ipairs(leaders) do
   local sig = tonumber(at(i, 5))
   if sig > 0 then
     signed[#signed + 1] = i
-    sig_keys[#sig_keys + 1] = KEYS[3 * m + b + sig]
+    sig_keys[#sig_keys + 1] = KEYS[V + m + b + sig]
     sig_args[#sig_args + 1] = at(i, 6)
   end
 end
@@ -140,7 +143,7 @@ if b > 0 and #leaders > 0 then
   local keys, args, pos = {}, {ARGV[6], ARGV[7]}, {}
   for n, x in ipairs(used) do
     pos[x] = n
-    keys[n] = KEYS[3 * m + x]
+    keys[n] = KEYS[V + m + x]
     args[#args + 1] = ARGV[HEADER - 1 + 2 * x]
     args[#args + 1] = ARGV[HEADER + 2 * x]
   end
@@ -167,7 +170,7 @@ local keys, args = {}, {0, 0, ARGV[9]}
 for _, i in ipairs(leaders) do
   if not refused[i] then
     admitted[#admitted + 1] = i
-    keys[#keys + 1] = KEYS[2 * m + i]
+    keys[#keys + 1] = KEYS[V + i]
     for k = 7, 10 do args[#args + 1] = at(i, k) end
     local x, y = tonumber(at(i, 11)), tonumber(at(i, 12))
     if x > 0 and not seen_p[x] then seen_p[x] = true; profiles[#profiles + 1] = x end
@@ -292,7 +295,10 @@ class RedisBatchLookup:
             buckets, limits, pairs, clock = [], [], [(0, 0)] * len(requests), 0.0
         signed = [i for i, r in enumerate(requests) if self._replay and r.auth.signature]
         signature_no = {i: n for n, i in enumerate(signed, start=1)}
-        keys = [k for tx in txs for k in decision_keys(tx)]
+        # NOTE: the decision keys only when the script reads them: ~1,100 keys and
+        # arguments for a batch of 128 otherwise, each encoded by redis-py and
+        # parsed by Redis.
+        keys = [k for tx in txs for k in decision_keys(tx)] if self._check_cache else []
         keys += [velocity_key(tx.user_id) for tx in txs]
         keys += buckets
         keys += [signature_key(requests[i].auth.signature or "") for i in signed]

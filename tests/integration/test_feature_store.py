@@ -101,6 +101,16 @@ def test_velocity_is_idempotent_under_redelivery(redis_client: redis.Redis, redi
     assert 0 < redis_client.ttl(velocity_key("u-v"))
 
 
+def test_an_amount_is_read_after_the_last_bar_of_its_member(redis_client: redis.Redis, redis_url: str) -> None:
+    """A velocity event's member is "id|amount": an id that holds bars and
+    spaces of its own still gives its amount to the window's sums."""
+    t = 1_800_000_000.0
+    first = Transaction("a|b 1|", "u-bar", 10.25, "m", t)
+    second = Transaction("|x|2", "u-bar", 5.5, "m", t + 60)
+    results = enrich(redis_url, [[first], [second]])
+    assert results[1].velocity == (2.0, 2.0, 2.0, 15.75, 15.75, 15.75)
+
+
 def test_a_lost_script_is_reloaded(redis_client: redis.Redis, redis_url: str) -> None:
     async def run() -> tuple:
         client = aioredis.Redis.from_url(redis_url)

@@ -36,6 +36,7 @@ from pipeline.features import FEATURE_NAMES, MerchantRisk, UserProfile
 from pipeline.model import Prediction
 from pipeline.ratelimit import RedisRateLimiter
 from pipeline.redis_batch import RedisBatchLookup
+from pipeline.resend_index import MemoryStore, ResendIndex
 from pipeline.scorer import BatchOutput, Inbound, Scorer
 from tests.factories import RULES
 
@@ -153,10 +154,15 @@ batches = st.lists(st.tuples(st.lists(steps, min_size=1, max_size=9), st.sampled
 # --- the two paths ---------------------------------------------------------------------
 
 
-def build(client: Any, clock: Clock, one_call: bool, wait_s: float = 0.05) -> Scorer:
-    """A scorer as the worker builds it (agents/wiring.py), with the one call or without."""
+def build(client: Any, clock: Clock, one_call: bool, wait_s: float = 0.05, shared: bool = True) -> Scorer:
+    """A scorer as the worker builds it (agents/wiring.py), with the one call or
+    without; ``shared``: decisions cached in Redis (``FRAUD_DECISION_CACHE_REDIS``),
+    else in a resend index alone (the default: the script reads no decision keys)."""
     store = RedisFeatureStore(client, local_cache_ttl_s=30)
-    cache = LocalFirstCache(RedisDecisionCache(client, 3600), wait_s=wait_s, retry_every_s=0.01)
+    cache = LocalFirstCache(
+        RedisDecisionCache(client, 3600) if shared else None,
+        index=None if shared else ResendIndex(MemoryStore(), 3600), wait_s=wait_s, retry_every_s=0.01,
+    )  # fmt: skip
     admission = Admission(
         keys=KEYS, allow_unsigned=True, replay=RedisReplayGuard(client),
         limiter=RedisRateLimiter(client, *LIMITS, clock=clock),
@@ -220,12 +226,15 @@ def two_dbs(redis_url: str) -> Iterator[tuple[str, str]]:
         redis.Redis.from_url(url).flushdb()
 
 
-async def score_both(urls: tuple[str, str], plan: list[tuple[list[Any], float]]) -> list[tuple[Any, Any]]:
+async def score_both(
+    urls: tuple[str, str], plan: list[tuple[list[Any], float]], shared: bool = True
+) -> list[tuple[Any, Any]]:
     """Each batch through both paths, in turn; the outputs, normalized, pair by pair."""
     clock = Clock()
     traffic = Traffic(clock)
     clients = [aioredis.Redis.from_url(url) for url in urls]
-    scorers = [build(clients[0], clock, one_call=False), build(clients[1], clock, one_call=True)]
+    scorers = [build(clients[0], clock, one_call=False, shared=shared),
+               build(clients[1], clock, one_call=True, shared=shared)]  # fmt: skip
     pairs = []
     try:
         for drawn, advance in plan:
@@ -235,6 +244,7 @@ async def score_both(urls: tuple[str, str], plan: list[tuple[list[Any], float]])
             for scorer in scorers:
                 out = await scorer.score_batch(batch)
                 await scorer.cache.put_many(out.to_cache)  # what the agent does once decisions are delivered
+                scorer.cache.committed(out.indexed)  # type: ignore[attr-defined]
                 outs.append(normalized(out))
             pairs.append((outs[0], outs[1]))
     finally:
@@ -248,19 +258,21 @@ async def score_both(urls: tuple[str, str], plan: list[tuple[list[Any], float]])
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=batches)
-def test_one_call_decides_and_writes_as_the_separate_calls(two_dbs: tuple[str, str], plan: Any) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["redis-cache", "index-alone"])
+def test_one_call_decides_and_writes_as_the_separate_calls(two_dbs: tuple[str, str], shared: bool, plan: Any) -> None:
     syncs = [redis.Redis.from_url(url) for url in two_dbs]
     for client in syncs:
         client.flushdb()
         seed(client)
-    for separate, one_call in asyncio.run(score_both(two_dbs, plan)):
+    for separate, one_call in asyncio.run(score_both(two_dbs, plan, shared)):
         assert one_call == separate
     assert state(syncs[1]) == state(syncs[0])
     for client in syncs:
         client.close()
 
 
-def test_the_generated_traffic_reaches_every_branch(two_dbs: tuple[str, str]) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["redis-cache", "index-alone"])
+def test_the_generated_traffic_reaches_every_branch(two_dbs: tuple[str, str], shared: bool) -> None:
     """A fixed mix in which each branch occurs, so the property is not vacuous."""
     u, m = "u-a", "m-1"
     plan = [
@@ -272,7 +284,7 @@ def test_the_generated_traffic_reaches_every_branch(two_dbs: tuple[str, str]) ->
     for client in (redis.Redis.from_url(url) for url in two_dbs):
         client.flushdb()
         seed(client)
-    pairs = asyncio.run(score_both(two_dbs, plan))
+    pairs = asyncio.run(score_both(two_dbs, plan, shared))
     for separate, one_call in pairs:
         assert one_call == separate
     counts = [p[0]["monitoring"]["counts"] for p in pairs]
