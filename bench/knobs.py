@@ -155,6 +155,7 @@ def main() -> None:
                    "lag_max": max((n for _, n in run.get("lag", [])), default=None), "warmup_s": args.warmup, "data": _relative(POPULATION),
                    # the rest of the machine: a setting can move cost to the broker
                    "broker_cpu_pct": run.get("other_cpu_pct", {}).get("broker"),
+                   "redis_cpu_pct": run.get("other_cpu_pct", {}).get("redis"),
                    "loadgen_cpu_pct": run.get("other_cpu_pct", {}).get("loadgen")}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
