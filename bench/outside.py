@@ -178,12 +178,23 @@ def first_seconds(
     worker reported Ready (wall clock ``ready``), and what was sent in that
     time but not decided by then."""
     sent = np.asarray(sends["t"], dtype=float)
-    decided_at = np.array([np.nan if (a := arrivals.get(i)) is None else float(a[0]) for i in sends["ids"]])
+    got = [arrivals.get(i) for i in sends["ids"]]
+    decided_at = np.array([np.nan if a is None else float(a[0]) for a in got])
     until = ready + seconds
     arrived = ~np.isnan(decided_at) & (decided_at >= ready) & (decided_at <= until)
     sent_in = (sent >= ready) & (sent <= until)
     late = sent_in & ~(decided_at <= until)  # NaN compares False: undecided counts as late
     lat = (decided_at[arrived] - sent[arrived]) * 1000.0
+    # The worker's clock of each decision, where the stamper had it (a record's
+    # queue_wait: from its timestamp to its batch's start; total: to its decision).
+    queue = np.array([_stage(a, 4) for a in got])[arrived]
+    total = np.array([_stage(a, 5) for a in got])[arrived]
+    at = decided_at[arrived]
+
+    def by_second(values: np.ndarray) -> list[float | None]:
+        return [_percentiles(values[(at >= ready + s) & (at < ready + s + 1) & ~np.isnan(values)])["p99"]
+                for s in range(int(seconds))]  # fmt: skip
+
     return {
         "seconds": seconds,
         "decided": int(np.count_nonzero(arrived)),
@@ -195,7 +206,20 @@ def first_seconds(
             _percentiles(lat[(decided_at[arrived] >= ready + s) & (decided_at[arrived] < ready + s + 1)])["p99"]
             for s in range(int(seconds))
         ],
+        # Where the time went, per second: waiting to be taken (generator, broker,
+        # fetch, queue), scored in the worker, and after its decision (its
+        # transaction's commit and the read back).
+        "p99_by_second_taken": by_second(queue),
+        "p99_by_second_scored": by_second(total - queue),
+        "p99_by_second_after": by_second(lat - total),
     }
+
+
+def _stage(arrival: Sequence[Any] | None, k: int) -> float:
+    """A stamp's stage time (ms), NaN where it has none (older stamps, no decision)."""
+    if arrival is None or len(arrival) <= k or arrival[k] is None:
+        return float("nan")
+    return float(arrival[k])
 
 
 def _close(a: float | None, b: float | None, tolerance: float) -> bool | None:
@@ -361,7 +385,13 @@ def stamp(args: argparse.Namespace) -> int:
             if doc.get("degraded"):
                 words = doc.get("explanation") or ()
                 why = next((w[len(DEGRADED) :] for w in words if isinstance(w, str) and w.startswith(DEGRADED)), "?")
-            seen[doc.get("transaction_id")] = [now, why, bool(doc.get("cached")), doc.get("action", "none")]
+            stages = doc.get("latency_ms") or {}
+            # The worker's own clock of it: from the record's timestamp to its batch's
+            # start (queue_wait) and to its decision (total); the rest is after.
+            seen[doc.get("transaction_id")] = [
+                now, why, bool(doc.get("cached")), doc.get("action", "none"),
+                stages.get("queue_wait"), stages.get("total"),
+            ]  # fmt: skip
             if wanted is not None:
                 wanted.discard(doc.get("transaction_id"))
         with contextlib.suppress(queue.Empty):

@@ -100,6 +100,24 @@ def test_first_seconds_after_ready_split_by_second() -> None:
     assert f["latency_ms"]["max"] == pytest.approx(410.0, abs=0.5)
 
 
+def test_first_seconds_say_where_a_slow_second_waited() -> None:
+    """The worker's own clock in each decision splits a slow second: waiting to
+    be taken, being scored, or after the decision (commit and read back)."""
+    sends, arrivals = two_files(n=400, rate=100.0, latency_s=0.01)
+    for i, (tx, stamp) in enumerate(arrivals.items()):
+        if tx == "unrelated":
+            continue
+        slow = i < 100  # the first second: 300 ms before its batch began, then 10 ms after the decision
+        stamp[0] += 0.31 if slow else 0.0
+        stamp += [300.0, 302.0] if slow else [1.0, 3.0]
+    arrivals["tx-150"] = arrivals["tx-150"][:4]  # a stamp without the worker's clock: left out of the split
+    f = first_seconds(sends, arrivals, ready=1000.0, seconds=3.0)
+    assert f["p99_by_second_taken"][0] == pytest.approx(300.0) and f["p99_by_second_taken"][2] == pytest.approx(1.0)
+    assert f["p99_by_second_scored"][0] == pytest.approx(2.0)
+    assert f["p99_by_second_after"][0] == pytest.approx(18.0, abs=0.5)  # 320 ms in all, less the 302 in the worker
+    assert f["p99_by_second"][0] == pytest.approx(320.0, abs=0.5)
+
+
 # --- agreement, scaling, the report ------------------------------------------------------
 
 
