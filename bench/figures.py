@@ -83,6 +83,21 @@ def _rate_row(doc: Mapping[str, Any], variant: str, offered_tps: float) -> Mappi
     return next((r for r in rows if r["offered_tps"] == offered_tps), None)
 
 
+def _cut_short(doc: Mapping[str, Any], variant: str) -> bool:
+    """Whether the time budget stopped the search of ``variant``'s knee (only bracketed then):
+    its entry says so, or (results written before entries did) the run's ``truncated`` list."""
+    entry = doc["max_sustainable"].get(variant, {}).get(_THRESHOLD) or {}
+    return bool(entry.get("cut_short")) or f"{variant}: search for {_THRESHOLD}" in doc.get("truncated", ())
+
+
+def _knee_text(doc: Mapping[str, Any], variant: str) -> str:
+    """A knee as the goals and tables give it: bracketed where its search was cut short."""
+    lo, hi, open_ = _knee(doc, variant)
+    if hi is not None and _cut_short(doc, variant):
+        return f"{_tps(lo)}-{_tps(hi)} (search cut short)"
+    return ("≥ " if open_ else "") + _tps(lo)
+
+
 def _knee(doc: Mapping[str, Any], variant: str) -> tuple[float | None, float | None, bool]:
     """The highest rate that kept p99 under 200 ms, the lowest that did not, and
     whether no probed rate failed (the knee is then a lower bound)."""
@@ -173,7 +188,7 @@ def _goal_knee(variants: tuple[str, ...], tps: float) -> Callable[[Mapping[str, 
         measured = {v: k for v, k in knees.items() if k is not None}
         if not measured:
             return "not measured", None
-        text = ", ".join(f"`{v}` {_tps(k)}" for v, k in measured.items())
+        text = ", ".join(f"`{v}` {_knee_text(doc, v)}" for v in measured)
         return text, all(k >= tps for k in measured.values())
 
     return check
@@ -265,6 +280,8 @@ def render_summary(doc: Mapping[str, Any]) -> str:
             continue
         at = _held_run(doc, variant, lo) if lo is not None else None
         knee = ("≥ " if open_ else "") + _tps(lo) + (f" (fails {_tps(hi)})" if hi is not None else "")
+        if _cut_short(doc, variant):
+            knee += ", search cut short"
         there = f"{_ms(at['p50_ms'])} / {_ms(at['p99_ms'])}" if at else "-"
         lines.append(f"| `{variant}` | {what} | {knee} | {there} | {_tps(_max_achieved(doc, variant))} |")
     ratios = doc.get("ratios", {})

@@ -65,6 +65,8 @@ def format_report(doc: Mapping[str, Any]) -> str:
                 text = "not measured"
             elif hi is None:
                 text = f">= {lo:,.0f}"
+            elif found.get("cut_short"):  # the time budget stopped its search: only bracketed
+                text = f"{lo:,.0f}-{hi:,.0f}, cut short"
             else:
                 text = f"{lo:,.0f} (fails {hi:,.0f})"
             cells.append(f"{text:>22}")
@@ -131,10 +133,13 @@ def _shape_lines(doc: Mapping[str, Any]) -> list[str]:
     scaling = doc.get("scaling")
     if scaling:
         lines.append("")
+        cut = scaling.get("cut_short") or []
         lines.append(
             f"scaling by partitions (batched, p99 < 200 ms): 1 worker {_num(scaling['workers_1_tps'], 0)} TPS, "
-            f"2 workers {_num(scaling['workers_2_tps'], 0)} TPS (x{scaling['ratio']})"
-        )
+            f"2 workers {_num(scaling['workers_2_tps'], 0)} TPS "
+            + (f"(no ratio: the search of {', '.join(cut)} was cut short by the time budget)" if cut
+               else f"(x{scaling['ratio']})")
+        )  # fmt: skip
     fresh = next((r for r in doc["runs"] if r.get("first_seconds")), None)
     if fresh:
         f = fresh["first_seconds"]

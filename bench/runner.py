@@ -56,6 +56,8 @@ class Bench:
         self.errors: list[dict[str, str]] = []
         self.max_sustainable: dict[str, dict[str, Any]] = {}
         self.truncated: list[str] = []
+        #: (variant, threshold key) whose search the time budget stopped: its knee is only bracketed.
+        self.cut_short: set[tuple[str, str]] = set()
         self._seed = 100
         # Running estimates for the deadline check (seconds); refined as we go.
         self._start_s = 10.0
@@ -212,6 +214,7 @@ class Bench:
                     # rest, and leave the legs still to come their main rates.
                     if not self._afford(cost, self.reserve_s):
                         self.truncated.append(f"{variant.name}: search for {threshold_key(threshold)}")
+                        self.cut_short.add((variant.name, threshold_key(threshold)))
                         break
                     worker = worker or self._start(variant)
                     record = self._measure(worker, rate, search, "search")
@@ -225,7 +228,10 @@ class Bench:
             print(f"bench: {variant.name}: {exc}", file=sys.stderr, flush=True)
         finally:
             self._stop(worker)
-        self.max_sustainable[variant.name] = {threshold_key(t): sustainable(mine, t) for t in THRESHOLDS_MS}
+        self.max_sustainable[variant.name] = {
+            threshold_key(t): {**sustainable(mine, t), "cut_short": (variant.name, threshold_key(t)) in self.cut_short}
+            for t in THRESHOLDS_MS
+        }
 
     def _repeat_if_spike(
         self, variant: Variant, worker: Worker | OutsideWorkers | None, record: Mapping[str, Any], mine: list[dict[str, Any]],

@@ -350,9 +350,17 @@ def scaling_doc(max_sustainable: Mapping[str, Any]) -> dict[str, Any] | None:
     if "batched-x2" not in max_sustainable:
         return None
     key = threshold_key(200.0)
-    one = (max_sustainable.get("batched", {}).get(key) or {}).get("tps")
-    two = (max_sustainable["batched-x2"].get(key) or {}).get("tps")
-    return {"workers_1_tps": one, "workers_2_tps": two, "ratio": round(two / one, 3) if one and two else None}
+    first = max_sustainable.get("batched", {}).get(key) or {}
+    second = max_sustainable["batched-x2"].get(key) or {}
+    one, two = first.get("tps"), second.get("tps")
+    # A knee whose search the time budget stopped is only bracketed: no ratio of it.
+    cut = [name for name, e in (("batched", first), ("batched-x2", second)) if e.get("cut_short")]
+    return {
+        "workers_1_tps": one, "workers_2_tps": two,
+        "ratio": round(two / one, 3) if one and two and not cut else None,
+        "cut_short": cut,
+        "brackets": {"batched": first.get("bracket"), "batched-x2": second.get("bracket")},
+    }  # fmt: skip
 
 
 _RUN_FIELDS: dict[str, tuple[type, ...]] = {

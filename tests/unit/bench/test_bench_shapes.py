@@ -188,10 +188,38 @@ def test_report_says_whether_the_shapes_agree_and_what_two_workers_hold() -> Non
     assert pair["inside"]["max_tps"] == 2000.0 and pair["outside"]["max_tps"] == 1000.0
     assert pair["inside"]["cpu_ms"][1000.0]["worker"] == pytest.approx(0.4)
     assert not pair["agree"]
-    assert doc["scaling"] == {"workers_1_tps": 2000.0, "workers_2_tps": 4000.0, "ratio": 2.0}
+    scaling = doc["scaling"]
+    assert (scaling["workers_1_tps"], scaling["workers_2_tps"], scaling["ratio"]) == (2000.0, 4000.0, 2.0)
     text = format_report(doc)
     assert "load shapes batched vs outside (within 10%): DISAGREE" in text
     assert "1 worker 2,000 TPS, 2 workers 4,000 TPS (x2.0)" in text
+
+
+def test_a_knee_whose_search_was_cut_short_is_given_as_its_bracket() -> None:
+    """The time budget stopped two workers' search between 2,000 (held) and
+    4,000 (failed): no knee of 2,000, no ratio to one worker's."""
+    from bench.figures import render_summary
+
+    runs = [
+        run_record(BATCHED, "rate", 2000.0, summary(2000.0, 62.0), worker="a"),
+        run_record(BATCHED, "rate", 2600.0, summary(2600.0, 90.0), worker="a"),
+        run_record(BATCHED, "rate", 4000.0, summary(4000.0, 2000.0, achieved=3000.0), worker="a"),
+        run_record(BATCHED_X2, "rate", 2000.0, summary(2000.0, 80.0), worker="c"),
+        run_record(BATCHED_X2, "rate", 4000.0, summary(4000.0, 800.0, achieved=3900.0), worker="c"),
+    ]
+    doc = doc_of(runs)
+    doc["max_sustainable"]["batched-x2"][threshold_key(200.0)]["cut_short"] = True
+    doc["scaling"] = scaling_doc(doc["max_sustainable"])
+    assert doc["scaling"]["ratio"] is None and doc["scaling"]["cut_short"] == ["batched-x2"]
+    text = format_report(doc)
+    assert "2,000-4,000, cut short" in text and "x0.769" not in text
+    assert "the search of batched-x2 was cut short" in text
+    assert "`batched-x2` 2,000-4,000 (search cut short)" in render_summary(doc)
+    # Results written before entries carried the flag: the run's truncated list says it.
+    del doc["max_sustainable"]["batched-x2"][threshold_key(200.0)]["cut_short"]
+    assert "`batched-x2` 2,000 " in render_summary(doc)
+    doc["truncated"] = [f"batched-x2: search for {threshold_key(200.0)}"]
+    assert "`batched-x2` 2,000-4,000 (search cut short)" in render_summary(doc)
 
 
 def test_latency_plot_draws_every_variant_in_its_own_colour(tmp_path: Path) -> None:
