@@ -79,8 +79,8 @@ return redis.call('ZRANGE', KEYS[1], ARGV[2], '(' .. ARGV[4], 'BYSCORE', 'REV', 
 #: NOTE: the replies are returned as ZRANGE gives them, and the worker takes
 #: each member's amount (after its last '|'): a string.match per event in Lua
 #: cost Redis ~0.7 us an event, a third of the script at 30 events a user
-#: (users near VELOCITY_MAX_EVENTS), against ~0.1 us in the worker
-#: (docs/performance.md).
+#: (users near VELOCITY_MAX_EVENTS), against ~0.1 us or less in the worker
+#: (bench/velocity.py, docs/performance.md).
 #: NOTE: the feature keys are read, never written, so they are ARGV, not KEYS:
 #: Redis checks a script's declared KEYS against the caller's ACL as writable
 #: (it cannot tell how a script uses them), and the worker's ACL user may only

@@ -295,9 +295,9 @@ class RedisBatchLookup:
             buckets, limits, pairs, clock = [], [], [(0, 0)] * len(requests), 0.0
         signed = [i for i, r in enumerate(requests) if self._replay and r.auth.signature]
         signature_no = {i: n for n, i in enumerate(signed, start=1)}
-        # NOTE: the decision keys only when the script reads them: ~1,100 keys and
-        # arguments for a batch of 128 otherwise, each encoded by redis-py and
-        # parsed by Redis.
+        # NOTE: the decision keys only when the script reads them: they are 256 of
+        # a 128-record batch's ~1,100 keys and arguments, each encoded by redis-py
+        # and parsed by Redis.
         keys = [k for tx in txs for k in decision_keys(tx)] if self._check_cache else []
         keys += [velocity_key(tx.user_id) for tx in txs]
         keys += buckets
