@@ -298,6 +298,30 @@ def scorer_redis_plot(doc: Mapping[str, Any], path: Path) -> Path:
     return _save(fig, doc, "bench.scorer — the scoring stage and its Redis", path)
 
 
+def velocity_plot(doc: Mapping[str, Any], path: Path) -> Path:
+    """``bench.velocity``: Redis's and the worker's µs per transaction, by events a
+    user has, for the script as kept and as it was."""
+    rows = doc["rows"]
+    events = sorted({r["events_per_user"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(events))
+    width = 0.2
+    bars = [("earlier", "redis_us_per_tx_p50", "Redis, amounts cut in Lua (earlier)"),
+            ("kept", "redis_us_per_tx_p50", "Redis, ZRANGE's reply as it is (kept)"),
+            ("earlier", "worker_cpu_us_per_tx_p50", "worker, earlier reply"),
+            ("kept", "worker_cpu_us_per_tx_p50", "worker, kept reply")]  # fmt: skip
+    for k, (script, field, label) in enumerate(bars):
+        values = [next(r[field] for r in rows if r["script"] == script and r["events_per_user"] == e) for e in events]
+        ax.bar(x + (k - 1.5) * width, values, width, label=label)
+        for xi, v in zip(x, values):
+            ax.annotate(f"{v:.0f}", (xi + (k - 1.5) * width, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [str(e) for e in events])
+    ax.set_xlabel("velocity events per user")
+    ax.set_ylabel("µs per transaction (p50 of batches)")
+    ax.legend(fontsize=8)
+    return _save(fig, doc, "bench.velocity — the enrichment script's velocity reply", path)
+
+
 def _save(fig: Any, doc: Mapping[str, Any], title: str, path: Path) -> Path:
     """``fig`` to ``path``, titled with the machine the document was measured on."""
     m = doc.get("machine", "")

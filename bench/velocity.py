@@ -119,35 +119,6 @@ def run(events: list[int], users: int, batch: int, batches: int) -> list[dict[st
     return rows
 
 
-def plot(doc: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from bench.plots import _save
-
-    rows = doc["rows"]
-    events = sorted({r["events_per_user"] for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    x = np.arange(len(events))
-    width = 0.2
-    bars = [("earlier", "redis_us_per_tx_p50", "Redis, amounts cut in Lua (earlier)"),
-            ("kept", "redis_us_per_tx_p50", "Redis, ZRANGE's reply as it is (kept)"),
-            ("earlier", "worker_cpu_us_per_tx_p50", "worker, earlier reply"),
-            ("kept", "worker_cpu_us_per_tx_p50", "worker, kept reply")]  # fmt: skip
-    for k, (script, field, label) in enumerate(bars):
-        values = [next(r[field] for r in rows if r["script"] == script and r["events_per_user"] == e) for e in events]
-        ax.bar(x + (k - 1.5) * width, values, width, label=label)
-        for xi, v in zip(x, values):
-            ax.annotate(f"{v:.0f}", (xi + (k - 1.5) * width, v), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, [str(e) for e in events])
-    ax.set_xlabel("velocity events per user")
-    ax.set_ylabel("µs per transaction (p50 of batches)")
-    ax.legend(fontsize=8)
-    return _save(fig, doc, "bench.velocity — the enrichment script's velocity reply", path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, nargs="+", default=[2, 10, 30])
@@ -158,7 +129,9 @@ def main() -> None:
     args = parser.parse_args()
     doc = {"machine": machine_info(), "rows": run(args.events, args.users, args.batch, args.batches)}
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out} and {plot(doc, args.out.with_suffix('.png'))}")
+    from bench.plots import velocity_plot
+
+    print(f"wrote {args.out} and {velocity_plot(doc, args.out.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":

@@ -359,7 +359,6 @@ def scaling_doc(max_sustainable: Mapping[str, Any]) -> dict[str, Any] | None:
         "workers_1_tps": one, "workers_2_tps": two,
         "ratio": round(two / one, 3) if one and two and not cut else None,
         "cut_short": cut,
-        "brackets": {"batched": first.get("bracket"), "batched-x2": second.get("bracket")},
     }  # fmt: skip
 
 
