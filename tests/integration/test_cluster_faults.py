@@ -541,7 +541,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     assert at["worker_ready"] < at["broker_restart"], at  # the restart met the broker loss
     assert answered == Counter(cached=len(resent)) and len(resent) == 60, answered
     assert tally_group == ends and loop_group == ends, (tally_group, loop_group, ends)
-    assert labelled == len(labels), (labelled, len(labels))
+    assert labelled == len(labels), (labelled, len(labels), _unjoined(up, app_id, topics, labels, workers))
     short = {m: (n, counted.get(m, 0)) for m, n in per_merchant.items() if counted.get(m, 0) != n}
     if short:  # what the changelog says of them: a label never counted, or a count written over
         history: dict[str, list[dict[str, Any]]] = {}
@@ -552,6 +552,46 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
                       "values": [(v["partition"], v["offset"], v["fraud"] + v["legit"], sorted(v["recent"]))
                                  for v in history.get(m, [])]} for m in short}  # fmt: skip
         raise AssertionError(f"tally short for {len(short)} merchants: {detail}; events {at}")
+
+
+def _unjoined(up: Stack, app_id: str, topics: Topics, labels: dict[str, Any], workers: Workers) -> dict[str, Any]:
+    """Why live quality is short: of each label not joined, whether the quality
+    store holds its decision (``fb``) or the label (``lab``), where its
+    feedback record sits, and what the workers logged of their groups."""
+    from app import redis_keys
+
+    prefix = redis_keys.quality_prefix(app_id)
+    client = sync_client(Settings(redis_url=up.env["REDIS_URL"]), timeout_s=30)
+    try:
+        joined = {
+            k.decode() if isinstance(k, bytes) else k for k in client.hkeys(redis_keys.quality_joined_key(prefix))
+        }
+        missing = sorted(set(labels) - joined)
+        sides = {t: ("fb" if client.exists(redis_keys.quality_served_key(prefix, t)) else "-")
+                 + "/" + ("lab" if client.exists(redis_keys.quality_label_key(prefix, t)) else "-") for t in missing}  # fmt: skip
+    finally:
+        client.close()
+
+    async def where() -> dict[str, tuple[int, int]]:
+        consumer = AIOKafkaConsumer(topics.feedback, bootstrap_servers=up.bootstrap, isolation_level="read_committed",
+                                    auto_offset_reset="earliest", enable_auto_commit=False)  # fmt: skip
+        await consumer.start()
+        found: dict[str, tuple[int, int]] = {}
+        try:
+            deadline = time.monotonic() + 20
+            while len(found) < len(missing) and time.monotonic() < deadline:
+                for tp, records in (await consumer.getmany(timeout_ms=1000)).items():
+                    for r in records:
+                        if r.key and r.key.decode() in sides:
+                            found[r.key.decode()] = (tp.partition, r.offset)
+        finally:
+            await consumer.stop()
+        return found
+
+    wanted = ("quality:", "evok", "ssign", "ebalanc", "oordinator", "enerat", "rror")
+    logs = {w.log_path.name: [line for line in w.text().splitlines() if any(n in line for n in wanted)][-40:]
+            for w in workers.started}  # fmt: skip
+    return {"unjoined": sides, "feedback_records": asyncio.run(where()), "logs": logs}
 
 
 async def _label_ends(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
