@@ -80,7 +80,7 @@ def base_app(settings: Settings) -> faust.App:
     """
     install_read_committed()
     install_wait_topic_visible()
-    install_commit_past_gaps()  # feedback is transactional: its markers must not hold the commits back
+    install_commit_past_gaps()  # a transactional topic's markers must not hold the commits back
     install_flush_drains_buffer()  # a commit covers the merchant tally's writes only once they are sent
     install_resume_keeps_queues()  # records queued during a recovery are processed, not dropped
     sys.setswitchinterval(settings.gil_switch_interval_s)

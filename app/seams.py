@@ -63,10 +63,9 @@ def install_read_committed() -> None:
     NOTE: faust reads committed data only in its own exactly-once mode
     (``processing_guarantee="exactly_once"``, which this project does not use:
     the scoring path commits its own transactions, app/eos.py), and offers no
-    setting for the isolation level. Everything the scoring loop writes is
-    transactional, and the feedback loop's agents read ``feedback`` through
-    faust's consumer: an aborted transaction's records must stay invisible to
-    them. The consumer is built before it starts, and aiokafka hands
+    setting for the isolation level. faust's consumer reads ``labels`` for the
+    merchant tally, and a producer of labels may write in transactions: an
+    aborted transaction's records must stay invisible to the tally. The consumer is built before it starts, and aiokafka hands
     ``_isolation_level`` to its fetcher at start, so setting it on the new
     consumer is enough.
     """
@@ -155,11 +154,13 @@ def install_commit_past_gaps() -> None:
     message's offset jumps, and ``_new_offset`` commits the first run of
     consecutive offsets among the acked ones and those gaps.
 
-    NOTE: a topic written in Kafka transactions (``feedback``: the scoring
-    loop's) has a commit marker after each transaction's records in every
-    partition, and aborted records a ``read_committed`` consumer skips: the
-    offsets a consumer receives jump by one or more. Two faults upstream
-    (faust-streaming #606 is the open report of wrong commits around gaps):
+    NOTE: a topic written in Kafka transactions (``labels`` from a
+    transactional producer; ``feedback``, which faust read before the feedback
+    loop moved to app/at_least_once.py) has a commit marker after each
+    transaction's records in every partition, and aborted records a
+    ``read_committed`` consumer skips: the offsets a consumer receives jump by
+    one or more. Two faults upstream (faust-streaming #606 is the open report
+    of wrong commits around gaps):
 
     - ``_add_gap`` records ``[from, to]`` inclusive, so the offset of the
       message just read sits in the gap and, once acked, in the acked list

@@ -171,12 +171,14 @@ class Settings(BaseSettings):
     app_id: str = "fraud-pipeline"
     """Faust app id, and faust's consumer group (the merchant tally reads ``labels``
     in it). The scoring workers consume ``transactions`` in group
-    ``<app_id>-score``, the feedback workers in ``<app_id>-feedback``; the
-    transactional ids start with ``<app_id>-score-``."""
+    ``<app_id>-score``; the feedback loop reads ``feedback`` and ``labels`` in
+    ``<app_id>-feedback`` (a ``feedback`` worker's faust app is
+    ``<app_id>-feedback-host``); the transactional ids start with
+    ``<app_id>-score-``."""
 
     worker_role: Literal["all", "score", "feedback"] = "all"
     """What ``fraud-pipeline worker`` runs. ``all``: scoring and the feedback
-    loop's agents in one process (the demo). In production run ``score``
+    loop in one process (the demo). In production run ``score``
     workers (the decision path only) and one or more ``feedback`` workers (the
     quality join; consumer group ``<app_id>-feedback``): consuming ``feedback``
     in a scoring worker doubles the messages it reads (docs/performance.md)."""

@@ -142,7 +142,9 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             every_topic,
             _read(s.topic_feedback, s.topic_labels),
             _write(s.topic_monitoring),
-            Grant("group", (feedback_app,), ("Read", "Describe")),
+            # The loop's consumer group (librdkafka), and the group and topics
+            # (the assignor's leader topic) of the faust app hosting it.
+            Grant("group", (feedback_app, f"{feedback_app}-host"), ("Read", "Describe")),
             Grant("topic", (f"{feedback_app}-",), ("Create", "Read", "Write", "Describe"), "prefixed"),
         ),
         "analyst": (every_topic, *analyst),

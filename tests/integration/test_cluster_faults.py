@@ -427,7 +427,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
                 await w.wait_for_log("Ready", 180)
             # faust's own topics, as the replicated stack's: 3 replicas, all in sync.
             internal = await _faust_topics(settings, app_id)
-            expected = {changelog, f"{app_id}-__assignor-__leader", f"{app_id}-feedback-__assignor-__leader"}
+            expected = {changelog, f"{app_id}-__assignor-__leader", f"{app_id}-feedback-host-__assignor-__leader"}
             assert expected <= set(internal), sorted(internal)
             replication = {t: {(len(p["replicas"]), len(p["isr"])) for p in parts} for t, parts in internal.items()}
             assert all(r == {(3, 3)} for r in replication.values()), replication

@@ -1,5 +1,5 @@
 """Worker roles on the real broker and Redis: ``--role score`` decides and runs
-no feedback-loop agents; ``--role feedback`` (its own consumer group) joins the
+no feedback loop; ``--role feedback`` (its own consumer group) joins the
 labels with every decision served so far, and ``report quality`` reads it."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_score_workers_decide_and_the_feedback_worker_joins_the_labels(
         assert all(d["action"] in ("approve", "review", "decline") for d in decided.values())
         # The scoring worker consumes `labels` too (its merchant tally): once its group
         # has committed them to their end, every agent of that worker has been handed
-        # them. It runs no feedback-loop agent: nothing is joined.
+        # them. It runs no feedback loop: nothing is joined.
         consumed = asyncio.run(wait_consumed(kafka_bootstrap, env["FRAUD_APP_ID"], topics.labels, label_ends, 60))
         assert consumed == label_ends, f"labels committed {consumed}, end {label_ends}\n{workers.logs()}"
         assert labelled(env) == (0, 0), workers.logs()

@@ -103,8 +103,11 @@ def test_consumer_groups_are_per_role() -> None:
         assert allowed("scoring-worker", "group", group, "Describe")
         assert not allowed("feedback-worker", "group", group, "Read")
         assert not allowed("payment-client", "group", group, "Read")
-    assert not allowed("scoring-worker", "group", f"{S.app_id}-feedback", "Read")
-    assert allowed("feedback-worker", "group", f"{S.app_id}-feedback", "Read")
+    # The feedback loop's librdkafka consumer (agents/feedback.py), and the faust app hosting it.
+    for group in (f"{S.app_id}-feedback", f"{S.app_id}-feedback-host"):
+        assert not allowed("scoring-worker", "group", group, "Read")
+        assert allowed("feedback-worker", "group", group, "Read")
+        assert allowed("feedback-worker", "group", group, "Describe")
     assert allowed("payment-client", "group", f"{kafka_acls.PAYMENT_GROUP_PREFIX}pos-1", "Read")
     # The operator sees the scoring group's committed offsets but cannot commit, join or reset it.
     assert allowed("operator", "group", scoring, "Describe")
