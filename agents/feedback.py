@@ -26,6 +26,7 @@ from typing import Any
 
 import faust
 import orjson
+from redis.exceptions import RedisError
 
 from app import redis_client, redis_keys
 from app.at_least_once import AtLeastOnce
@@ -131,9 +132,10 @@ class FeedbackLoop:
         if not records:
             return
         served, labels = parse_batch([(r.topic(), r.value()) for r in records], self.feedback_topic, time.time())
-        await retry(
-            lambda: self._write(served, labels), first_s=0.2, cap_s=RETRY_CAP_S, on_retry=self._retrying(len(records))
-        )
+        # Redis away or slow: held and tried again. Anything else is a bug, and
+        # the worker exits (the batch is read again after the restart).
+        await retry(lambda: self._write(served, labels), first_s=0.2, cap_s=RETRY_CAP_S,
+                    retry_on=(RedisError, OSError, TimeoutError), on_retry=self._retrying(len(records)))  # fmt: skip
         await self.reader.done(records)
 
     async def _write(self, served: list[Served], labels: list[Label]) -> None:

@@ -557,7 +557,15 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
 def _unjoined(up: Stack, app_id: str, topics: Topics, labels: dict[str, Any], workers: Workers) -> dict[str, Any]:
     """Why live quality is short: of each label not joined, whether the quality
     store holds its decision (``fb``) or the label (``lab``), where its
-    feedback record sits, and what the workers logged of their groups."""
+    feedback record sits, and what the workers logged of their groups. A
+    diagnosis that fails says so instead of hiding the assertion it explains."""
+    try:
+        return _unjoined_why(up, app_id, topics, labels, workers)
+    except Exception as exc:
+        return {"diagnosis failed": repr(exc)}
+
+
+def _unjoined_why(up: Stack, app_id: str, topics: Topics, labels: dict[str, Any], workers: Workers) -> dict[str, Any]:
     from app import redis_keys
 
     prefix = redis_keys.quality_prefix(app_id)

@@ -67,7 +67,7 @@ class Batches:
     def __init__(self, batches: list[list[Message]], store: LedgerStore) -> None:
         self.batches = batches
         self.store = store
-        self.done_after: list[tuple[list[tuple[str, int]], int]] = []  # (records, store attempts by then)
+        self.done_after: list[tuple[list[tuple[str | None, int | None]], int]] = []  # (records, store attempts by then)
 
     async def take(self, max_records: int, within_s: float) -> list[Message]:
         return self.batches.pop(0) if self.batches else []
@@ -96,6 +96,19 @@ def test_a_batch_is_marked_done_only_once_the_store_took_it() -> None:
     assert reader.done_after == [([(FEEDBACK, 5), (LABELS, 9)], 4)]
     assert set(store.ledger.joined) == {"t1"}
     assert store.ledger.joined["t1"].label == "fraud"
+
+
+def test_a_bug_in_the_write_is_not_retried_and_marks_nothing() -> None:
+    class Broken(LedgerStore):
+        async def add_served(self, served: list[Served]) -> int:
+            self.attempts += 1
+            raise KeyError("a bug, not Redis")
+
+    store = Broken()
+    reader = Batches([[message(FEEDBACK, 0, 5, feedback_record("t1"))]], store)
+    with pytest.raises(KeyError):  # the worker exits and the batch is read again after its restart
+        asyncio.run(FeedbackLoop(reader, store, FEEDBACK).step())  # type: ignore[arg-type]
+    assert store.attempts == 1 and reader.done_after == []
 
 
 def test_an_empty_take_marks_nothing() -> None:
