@@ -16,10 +16,8 @@ idempotent, so a batch written twice counts once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +26,7 @@ import faust
 import orjson
 from redis.exceptions import RedisError
 
+from agents.watchdog import exit_on_failure
 from app import redis_client, redis_keys
 from app.at_least_once import AtLeastOnce
 from app.faust_app import RAW, base_app
@@ -171,14 +170,10 @@ def install_feedback_loop(app: faust.App, settings: Settings) -> None:
             heartbeat_interval_ms=int(settings.heartbeat_interval_s * 1000),
         )  # fmt: skip
         try:
-            await reader.start()
-            await FeedbackLoop(reader, store(), settings.topic_feedback).run()
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
             # What it had not committed is read again, by this worker restarted or another.
-            log.critical("the feedback loop failed; exiting so the worker is restarted", exc_info=True)
-            os._exit(70)
+            with exit_on_failure("the feedback loop"):
+                await reader.start()
+                await FeedbackLoop(reader, store(), settings.topic_feedback).run()
         finally:
             with contextlib.suppress(BaseException):
                 await reader.close()  # commits what was processed, leaves the group

@@ -29,14 +29,32 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["LoopWatchdog"]
+__all__ = ["EXIT_STATUS", "LoopWatchdog", "exit_on_failure"]
 
 log = logging.getLogger(__name__)
 
 #: The exit status of a worker that stopped itself (as for a failed loop).
 EXIT_STATUS = 70
+
+
+@contextmanager
+def exit_on_failure(what: str, exit: Callable[[int], object] = os._exit) -> Iterator[None]:
+    """Around a loop the worker cannot do without (the scoring loop, the
+    feedback loop): any failure but a cancellation (a clean stop) is logged
+    and exits the process with :data:`EXIT_STATUS`, so its supervisor
+    restarts it, rather than leaving a worker that serves ``/metrics`` and
+    does nothing. What the loop had not committed is read again after the
+    restart."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        log.critical("%s failed; exiting so the worker is restarted", what, exc_info=True)
+        exit(EXIT_STATUS)
 
 
 class LoopWatchdog:

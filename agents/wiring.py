@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from agents.metrics import WorkerMetrics
 from agents.reload import Reloader
 from agents.score import ScoringLoop
 from agents.tally import install_merchant_tally
-from agents.watchdog import LoopWatchdog
+from agents.watchdog import LoopWatchdog, exit_on_failure
 from app import redis_client
 from app.changelog import ChangelogRestore
 from app.eos import ExactlyOnce
@@ -180,7 +179,11 @@ class Runtime:
             allow_unsigned=s.allow_unsigned,
             replay=RedisReplayGuard(client, cluster=self.cluster),
             limiter=RedisRateLimiter(
-                client, s.rate_client_per_s, s.rate_client_burst, s.rate_user_per_s, s.rate_user_burst,
+                client,
+                s.rate_client_per_s,
+                s.rate_client_burst,
+                s.rate_user_per_s,
+                s.rate_user_burst,
                 cluster=self.cluster,
             ),  # fmt: skip
         )
@@ -252,38 +255,34 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         watchdog = LoopWatchdog(settings.loop_stall_exit_s)
         loop.on_step = restore.on_progress = watchdog.beat
         try:
-            # Everything warm before the group hands this worker partitions:
-            # the model's thread, a Redis connection, the producer (its
-            # transactional id and the outputs' metadata), the heap frozen.
-            await scorer.warm_up((1, 8, 32, settings.batch_size))
-            await reloader.apply(scorer)  # the shadow and drift reference, if any
-            with contextlib.suppress(Exception):  # a Redis down now degrades decisions; it stops nothing
-                await asyncio.wait_for(client.ping(), settings.redis_timeout_s)
-            # NOTE: inside the try: a worker whose producer cannot start (the
-            # coordinator unreachable past init_transactions' timeout) exits to
-            # be restarted, instead of serving /metrics while deciding nothing.
-            await stream.start()
-            scorer.placement = await placement(stream, settings)
-            # Whatever this worker's producer wrote to decisions in an earlier
-            # life (a kill -9 just after a broker restart) ends before it
-            # decides anything (ExactlyOnce._hand_over).
-            await stream.hand_over(range(scorer.placement.partitions))
-            freeze_startup_heap()
-            watchdog.start(asyncio.get_running_loop())  # joining restores the partitions' resend index
-            first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, outputs)
-            log.info(
-                "scoring %s as group %s (transactional id %s), partitions %s",
-                stream.topic, stream.group_id, stream.transactional_id, sorted(stream.assigned),
-            )  # fmt: skip
-            joined.set()
-            await loop.run(first)  # the watchdog: a step that never ends gives stacks, then an exit
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            # Nothing of an uncommitted batch is visible: a restarted worker
-            # takes it again from the committed offsets.
-            log.critical("the scoring loop failed; exiting so the worker is restarted", exc_info=True)
-            os._exit(70)
+            # Nothing of an uncommitted batch is visible: a worker restarted after
+            # a failure takes it again from the committed offsets.
+            with exit_on_failure("the scoring loop"):
+                # Everything warm before the group hands this worker partitions:
+                # the model's thread, a Redis connection, the producer (its
+                # transactional id and the outputs' metadata), the heap frozen.
+                await scorer.warm_up((1, 8, 32, settings.batch_size))
+                await reloader.apply(scorer)  # the shadow and drift reference, if any
+                with contextlib.suppress(Exception):  # a Redis down now degrades decisions; it stops nothing
+                    await asyncio.wait_for(client.ping(), settings.redis_timeout_s)
+                # NOTE: inside the try: a worker whose producer cannot start (the
+                # coordinator unreachable past init_transactions' timeout) exits to
+                # be restarted, instead of serving /metrics while deciding nothing.
+                await stream.start()
+                scorer.placement = await placement(stream, settings)
+                # Whatever this worker's producer wrote to decisions in an earlier
+                # life (a kill -9 just after a broker restart) ends before it
+                # decides anything (ExactlyOnce._hand_over).
+                await stream.hand_over(range(scorer.placement.partitions))
+                freeze_startup_heap()
+                watchdog.start(asyncio.get_running_loop())  # joining restores the partitions' resend index
+                first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, outputs)
+                log.info(
+                    "scoring %s as group %s (transactional id %s), partitions %s",
+                    stream.topic, stream.group_id, stream.transactional_id, sorted(stream.assigned),
+                )  # fmt: skip
+                joined.set()
+                await loop.run(first)  # the watchdog: a step that never ends gives stacks, then an exit
         finally:
             watchdog.stop()
             with contextlib.suppress(BaseException):

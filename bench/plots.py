@@ -322,6 +322,23 @@ def velocity_plot(doc: Mapping[str, Any], path: Path) -> Path:
     return _save(fig, doc, "bench.velocity — the enrichment script's velocity reply", path)
 
 
+def feedback_drain_plot(doc: Mapping[str, Any], path: Path) -> Path:
+    """``bench.feedback_drain``: each cell's records a second and CPU per record, by variant, in run order."""
+    rows = [r for r in doc["rows"] if "records_per_s" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    colors = {"change": "tab:blue", "base": "tab:gray"}
+    for ax, field, label in (
+        (left, "records_per_s", "records a second"),
+        (right, "cpu_us_per_record", "worker CPU µs a record"),
+    ):
+        for k, r in enumerate(rows):
+            ax.bar(k, r[field], color=colors.get(r["variant"], "tab:orange"))
+            ax.annotate(f"{r[field]:,.0f}", (k, r[field]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)), [r["variant"] for r in rows], fontsize=7)
+        ax.set_ylabel(label)
+    return _save(fig, doc, "bench.feedback_drain — a feedback worker draining feedback and labels", path)
+
+
 def _save(fig: Any, doc: Mapping[str, Any], title: str, path: Path) -> Path:
     """``fig`` to ``path``, titled with the machine the document was measured on."""
     m = doc.get("machine", "")

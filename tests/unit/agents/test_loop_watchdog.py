@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
-from agents.watchdog import EXIT_STATUS, LoopWatchdog
+import pytest
+
+from agents.watchdog import EXIT_STATUS, LoopWatchdog, exit_on_failure
 
 
 class Clock:
@@ -71,3 +74,20 @@ def test_zero_turns_it_off() -> None:
     dog.start()
     threading.Event().wait(0.3)
     assert codes == []
+
+
+def test_a_failed_loop_exits_the_worker_a_cancelled_or_finished_one_does_not() -> None:
+    exits: list[int] = []
+
+    async def run(body: BaseException | None) -> None:
+        with exit_on_failure("the loop", exit=exits.append):
+            await asyncio.sleep(0)
+            if body is not None:
+                raise body
+
+    asyncio.run(run(RuntimeError("a bug")))
+    assert exits == [EXIT_STATUS]
+    with pytest.raises(asyncio.CancelledError):  # a clean stop: the worker is stopping anyway
+        asyncio.run(run(asyncio.CancelledError()))
+    asyncio.run(run(None))
+    assert exits == [EXIT_STATUS]
