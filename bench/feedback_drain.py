@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import time
 import uuid
 from dataclasses import replace
@@ -123,8 +124,12 @@ def main() -> None:
                 row = _cell(variant, svc, workdir, topics, total, args.timeout)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    base = None
+    if args.base:  # the commit, not the folder: results are committed
+        base = subprocess.run(["git", "-C", str(args.base), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=False).stdout.strip() or None  # fmt: skip
     doc = {"machine": machine_info(), "feedback": args.feedback, "labels": labels, "partitions": PARTITIONS,
-           "base": str(args.base) if args.base else None, "rows": rows}  # fmt: skip
+           "base": base, "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     from bench.plots import feedback_drain_plot
 
