@@ -19,8 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import faust
 import orjson
@@ -40,6 +39,7 @@ __all__ = [
     "FeedbackLoop",
     "create_feedback_app",
     "feedback_group",
+    "feedback_host",
     "install_feedback_loop",
     "parse_batch",
     "quality_store",
@@ -61,6 +61,11 @@ def feedback_group(settings: Settings) -> str:
     return f"{settings.app_id}-feedback"
 
 
+def feedback_host(settings: Settings) -> str:
+    """The app id (and so the faust group) of a ``--role feedback`` worker's faust app."""
+    return f"{feedback_group(settings)}-host"
+
+
 def create_feedback_app(settings: Settings) -> faust.App:
     """The feedback loop alone (``fraud-pipeline worker --role feedback``).
 
@@ -72,7 +77,7 @@ def create_feedback_app(settings: Settings) -> faust.App:
     members cannot share one. The Redis keys stay those of the deployment's
     app id, so ``report quality`` reads the same figures.
     """
-    app = base_app(settings.model_copy(update={"app_id": f"{feedback_group(settings)}-host"}))
+    app = base_app(settings.model_copy(update={"app_id": feedback_host(settings)}))
     install_feedback_loop(app, settings)
     return app
 
@@ -142,7 +147,7 @@ class FeedbackLoop:
         await self.store.add_labels(labels)
 
     @staticmethod
-    def _retrying(n: int) -> Any:
+    def _retrying(n: int) -> Callable[[Exception, float], None]:
         def log_it(exc: Exception, sleep_s: float) -> None:
             log.warning("quality: a batch of %d records not recorded (%r); again in %.1f s", n, exc, sleep_s)
 

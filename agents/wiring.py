@@ -179,11 +179,7 @@ class Runtime:
             allow_unsigned=s.allow_unsigned,
             replay=RedisReplayGuard(client, cluster=self.cluster),
             limiter=RedisRateLimiter(
-                client,
-                s.rate_client_per_s,
-                s.rate_client_burst,
-                s.rate_user_per_s,
-                s.rate_user_burst,
+                client, s.rate_client_per_s, s.rate_client_burst, s.rate_user_per_s, s.rate_user_burst,
                 cluster=self.cluster,
             ),  # fmt: skip
         )
@@ -265,9 +261,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 await reloader.apply(scorer)  # the shadow and drift reference, if any
                 with contextlib.suppress(Exception):  # a Redis down now degrades decisions; it stops nothing
                     await asyncio.wait_for(client.ping(), settings.redis_timeout_s)
-                # NOTE: inside the try: a worker whose producer cannot start (the
-                # coordinator unreachable past init_transactions' timeout) exits to
-                # be restarted, instead of serving /metrics while deciding nothing.
+                # NOTE: inside exit_on_failure: a worker whose producer cannot start
+                # (the coordinator unreachable past init_transactions' timeout) exits
+                # to be restarted, instead of serving /metrics while deciding nothing.
                 await stream.start()
                 scorer.placement = await placement(stream, settings)
                 # Whatever this worker's producer wrote to decisions in an earlier

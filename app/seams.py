@@ -65,7 +65,8 @@ def install_read_committed() -> None:
     the scoring path commits its own transactions, app/eos.py), and offers no
     setting for the isolation level. faust's consumer reads ``labels`` for the
     merchant tally, and a producer of labels may write in transactions: an
-    aborted transaction's records must stay invisible to the tally. The consumer is built before it starts, and aiokafka hands
+    aborted transaction's records must stay invisible to the tally. The
+    consumer is built before it starts, and aiokafka hands
     ``_isolation_level`` to its fetcher at start, so setting it on the new
     consumer is enough.
     """

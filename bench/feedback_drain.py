@@ -27,9 +27,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
-import redis
 
 from app import redis_keys
+from app.redis_client import sync_client
 from app.topics import ensure_topics
 from bench.plan import BATCHED, REPO
 from bench.procs import machine_info, proc_cpu_s
@@ -69,7 +69,7 @@ def _cell(
     app_id = f"bench-drain-{uuid.uuid4().hex[:8]}"
     worker = Worker(variant, svc, workdir, join=SimpleNamespace(topics=topics, group_tag=app_id),  # type: ignore[arg-type]
                     role="feedback", extra_env={"FRAUD_APP_ID": app_id})  # fmt: skip
-    client = redis.Redis.from_url(svc.redis_url)
+    client = sync_client(settings_from_env({"FRAUD_REDIS_URL": svc.redis_url}), timeout_s=10)
     prefix = redis_keys.quality_prefix(app_id)
     marks: dict[float, tuple[float, float]] = {}
     try:

@@ -85,6 +85,7 @@ def tally_repartition_topic(settings: Settings) -> str:
 def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
     # NOTE: loads the worker (faust): only when the table is built
+    from agents.feedback import feedback_group, feedback_host
     from agents.wiring import restore_group, scoring_group
     from app.eos import gate_group
 
@@ -108,7 +109,7 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         _write(s.topic_labels),
         Grant("group", (ANALYST_GROUP_PREFIX,), ("Read", "Describe"), "prefixed"),
     )
-    feedback_app = f"{s.app_id}-feedback"
+    feedback_app = feedback_group(s)
     return {
         "payment-client": (every_topic, *payment_client),
         "scoring-worker": (
@@ -144,7 +145,7 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             _write(s.topic_monitoring),
             # The loop's consumer group (librdkafka), and the group and topics
             # (the assignor's leader topic) of the faust app hosting it.
-            Grant("group", (feedback_app, f"{feedback_app}-host"), ("Read", "Describe")),
+            Grant("group", (feedback_app, feedback_host(s)), ("Read", "Describe")),
             Grant("topic", (f"{feedback_app}-",), ("Create", "Read", "Write", "Describe"), "prefixed"),
         ),
         "analyst": (every_topic, *analyst),
