@@ -30,7 +30,7 @@ from agents.feedback import install_feedback_loop
 from agents.metrics import WorkerMetrics
 from agents.reload import Reloader
 from agents.score import ScoringLoop
-from agents.tally import install_merchant_tally
+from agents.tally import LiveTally
 from agents.watchdog import LoopWatchdog, exit_on_failure
 from app import redis_client
 from app.changelog import ChangelogRestore
@@ -219,7 +219,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     metrics = WorkerMetrics.install(app, settings, faust_sensors=settings.faust_sensors)  # /metrics
     metrics.set_versions(runtime.model.version if runtime.model else None, runtime.rules.version)
     metrics.watch_gc()
-    merchant_tally = install_merchant_tally(app, settings)  # live confirmed fraud per merchant, for the rules
+    tally = LiveTally(settings)  # live confirmed fraud per merchant, for the rules
     reloader = runtime.reloader()
     stream = exactly_once(settings, metrics)
     topics = {
@@ -243,7 +243,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
         stream.restore = restore
         client = runtime.redis()
         cache = runtime.decision_cache(client, index)
-        scorer = runtime.build_scorer(client, cache, merchant_tally, metrics)
+        scorer = runtime.build_scorer(client, cache, tally.lookup, metrics)
         loop = ScoringLoop(
             stream, scorer, reloader, metrics, topics, runtime.decision_signer, settings,
             cache=cache, shared_cache=settings.decision_cache_redis,
@@ -270,6 +270,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 # life (a kill -9 just after a broker restart) ends before it
                 # decides anything (ExactlyOnce._hand_over).
                 await stream.hand_over(range(scorer.placement.partitions))
+                # The rules read the tally from the first batch on: restored whole first.
+                await tally.restore()
                 freeze_startup_heap()
                 watchdog.start(asyncio.get_running_loop())  # joining restores the partitions' resend index
                 first = await stream.join(settings.batch_size, JOIN_TIMEOUT_S, outputs)
@@ -285,6 +287,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
                 await asyncio.wait_for(loop.drain(), SHUTDOWN_STEP_S)
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(stream.close(), SHUTDOWN_STEP_S)  # leaves the group: its partitions move
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(tally.close(), SHUTDOWN_STEP_S)
             index.close()
 
     async def watch_registry() -> None:  # loads in the background; swaps happen in the loop
@@ -306,6 +310,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> faust.App:
     # decorators as returning a bare Callable, which would leave these
     # functions untyped.
     app.task(score)
+    app.task(tally.count)  # from the tally's restore on
     app.timer(settings.reload_check_s)(watch_registry)
     app.service(ScoringJoined)
 
@@ -371,8 +376,8 @@ def exactly_once(settings: Settings, metrics: WorkerMetrics) -> ExactlyOnce:
 
 
 def scoring_group(settings: Settings) -> str:
-    """The consumer group of the scoring workers (faust's own group, ``app_id``,
-    reads the labels for the merchant tally)."""
+    """The consumer group of the scoring workers (``transactions``; the merchant
+    tally reads ``labels`` in a group of its own, agents/tally.py)."""
     return f"{settings.app_id}-score"
 
 

@@ -118,6 +118,20 @@ class AtLeastOnce:
                 log.warning("%s: %s", self.group_id, error)
         return records
 
+    async def ends(self, topic: str) -> dict[int, int]:
+        """The high watermark of each partition of ``topic``, asked of the broker now."""
+        ends: dict[int, int] = await self._call(self._ends, topic)
+        return ends
+
+    def _ends(self, topic: str) -> dict[int, int]:
+        kafka = _kafka()
+        meta = self._consumer.list_topics(topic, 10.0).topics.get(topic)
+        if meta is None or meta.error is not None:
+            raise kafka.KafkaException(meta.error if meta is not None else f"{topic}: no such topic")
+        marks = {p: self._consumer.get_watermark_offsets(kafka.TopicPartition(topic, p), 10.0, cached=False)
+                 for p in meta.partitions}  # fmt: skip
+        return {p: high for p, (_, high) in marks.items()}
+
     async def done(self, records: Sequence[Any]) -> None:
         """Mark ``records`` processed: their offsets are committed from now on."""
         last = last_offsets(records)

@@ -8,6 +8,7 @@
     │   └── ModelIntegrityError  a checksum or the feature list does not match
     ├── FeatureStoreError        the online store failed; decisions degrade
     ├── BatchLookupError         the batch's one Redis call failed; the separate calls take over
+    ├── TallyError               the merchant tally could not be read or written; the worker restarts
     └── StackError               a local service did not start or become ready
 
 Validation problems are not exceptions: a bad transaction is an expected input,
@@ -26,6 +27,7 @@ __all__ = [
     "ModelNotFound",
     "RulesError",
     "StackError",
+    "TallyError",
 ]
 
 
@@ -85,6 +87,10 @@ class BatchLookupError(FraudPipelineError):
         super().__init__(f"one-call lookup of {size} transactions: {reason}")
         self.size = size
         self.reason = reason
+
+
+class TallyError(FraudPipelineError):
+    """The merchant tally could not be read or written (agents/tally.py)."""
 
 
 class StackError(FraudPipelineError):

@@ -78,9 +78,17 @@ async def cluster_replicas(settings: Settings) -> int:
         await admin.close()
 
 
-async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str, int]:
-    """Create missing topics; wait for the broker with backoff up to ``wait_s``."""
-    wanted = topic_partitions(settings)
+async def ensure_topics(
+    settings: Settings,
+    *,
+    wait_s: float = 60.0,
+    wanted: dict[str, int] | None = None,
+    configs: dict[str, dict[str, str]] | None = None,
+) -> dict[str, int]:
+    """Create missing topics (the project's, else ``wanted`` with ``configs``);
+    wait for the broker with backoff up to ``wait_s``."""
+    wanted = topic_partitions(settings) if wanted is None else wanted
+    extra = configs or {}
 
     async def create_missing() -> dict[str, int]:
         admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, **kafka_auth(settings))
@@ -91,7 +99,7 @@ async def ensure_topics(settings: Settings, *, wait_s: float = 60.0) -> dict[str
             # Two acknowledgements of three: a write survives the loss of its
             # leader, and one broker down still leaves writes possible.
             configs = {"min.insync.replicas": "2"} if replicas >= 3 else {}
-            own = topic_configs(settings)
+            own = {**topic_configs(settings), **extra}
             missing = [
                 NewTopic(name, n, replicas, topic_configs={**configs, **own.get(name, {})})
                 for name, n in wanted.items() if name not in existing

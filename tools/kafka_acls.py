@@ -26,7 +26,7 @@ from typing import Any, Literal
 from app.seams import admin_request
 from app.settings import Settings
 
-__all__ = ["ROLES", "Acl", "Grant", "acl_table", "acls", "create_acls", "kafka_acls_commands", "tally_repartition_topic"]
+__all__ = ["ROLES", "Acl", "Grant", "acl_table", "acls", "create_acls", "kafka_acls_commands"]
 
 ResourceType = Literal["topic", "group", "transactional-id"]
 Pattern = Literal["literal", "prefixed"]
@@ -77,15 +77,11 @@ def _write(*topics: str) -> Grant:
     return Grant("topic", topics, ("Write", "Describe"))
 
 
-def tally_repartition_topic(settings: Settings) -> str:
-    """The topic faust declares for ``agents.tally``'s ``group_by``: ``<agent>-<source>-<name>-repartition``."""
-    return f"agents.tally.tally_labels-{settings.topic_labels}-labels-by-merchant-repartition"
-
-
 def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
     """Role -> what it may do. Anything not granted here is refused."""
     # NOTE: loads the worker (faust): only when the table is built
     from agents.feedback import feedback_group, feedback_host
+    from agents.tally import tally_group, tally_reader_group
     from agents.wiring import restore_group, scoring_group
     from app.eos import gate_group
 
@@ -114,7 +110,7 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
         "payment-client": (every_topic, *payment_client),
         "scoring-worker": (
             every_topic,
-            # `labels` feeds the worker's merchant tally (agents/tally.py);
+            # `labels` feeds the merchant tally (agents/tally.py);
             # `decisions` is the resend index's changelog, read back by a
             # partition's new owner (app/changelog.py), whose reader,
             # unsubscribed, still names a group (the client requires one).
@@ -130,14 +126,15 @@ def acl_table(settings: Settings) -> dict[str, tuple[Grant, ...]]:
             Grant("group", (scoring,), ("Read", "Describe")),
             # The gate group: a transaction's first offsets, read by no one (app/eos.py).
             Grant("group", (gate_group(scoring),), ("Read", "Describe")),
-            # faust's consumer group (the merchant tally reads `labels`), and
-            # faust's own topics (changelogs, repartitions, the assignor's
-            # leader topic), all named ``<app_id>-...``.
+            # The merchant tally (agents/tally.py): `labels` counted in a group
+            # of its own, and every worker's copy read by a reader that, as the
+            # index's, names a group it never joins.
+            Grant("group", (tally_group(s), tally_reader_group(s)), ("Read", "Describe")),
+            # faust's consumer group (the hosting app), and the topics named
+            # ``<app_id>-...``: the tally's, created by the first worker, and
+            # faust's own (the assignor's leader topic).
             Grant("group", (s.app_id,), ("Read", "Describe")),
             Grant("topic", (f"{s.app_id}-",), ("Create", "Read", "Write", "Describe"), "prefixed"),
-            # The merchant tally's group_by: faust names a repartition topic
-            # after the agent (agents/tally.py), not after the app.
-            Grant("topic", (tally_repartition_topic(s),), ("Create", "Read", "Write", "Describe")),
         ),
         "feedback-worker": (
             every_topic,

@@ -21,7 +21,7 @@ three scoring workers with the product's default settings score 120 TPS for
 A second, shorter line (:func:`test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts`)
 runs the feedback side: a scoring worker (which keeps the merchant tally) and
 a feedback-loop worker, labels for every decision, and, while the broker that
-leads the most partitions of the tally's changelog is down, the scoring worker
+leads the most partitions of the tally's topic is down, the scoring worker
 restarted: it must recover the tally from the surviving replicas and decide
 again. Prints ``FAULT cluster_labels …`` with the same accounting, and the
 labels sent, joined into live quality and counted by the tally.
@@ -337,13 +337,12 @@ LABELS_KILL_AT_S = 10.0
 
 
 async def _faust_topics(settings: Settings, app_id: str) -> dict[str, list[dict[str, Any]]]:
-    """faust's own topics of the app ``app_id`` and of its feedback workers, and
-    the labels' repartition topic (named after the agent and the labels topic)."""
+    """The topics the workers create themselves: the merchant tally's, and
+    faust's own of the app ``app_id`` and of its feedback workers."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
     await admin.start()
     try:
-        names = [t for t in await admin.list_topics()
-                 if t.startswith(f"{app_id}-") or (settings.topic_labels in t and t.endswith("-repartition"))]  # fmt: skip
+        names = [t for t in await admin.list_topics() if t.startswith(f"{app_id}-")]
     finally:
         await admin.close()
     return await cluster.describe_partitions(settings, names)
@@ -352,8 +351,9 @@ async def _faust_topics(settings: Settings, app_id: str) -> dict[str, list[dict[
 async def _tally(
     bootstrap: str, changelog: str, partitions: int, history: dict[str, list[dict[str, Any]]] | None = None
 ) -> dict[str, int]:
-    """Labels counted per merchant: the last value of each key of the tally's
-    changelog; every value of each key appended to ``history`` when given."""
+    """Labels counted per merchant: the sum of the last value of each of its
+    shares (a key ``[merchant, labels partition]``) in the tally's topic;
+    every value of each merchant's shares appended to ``history`` when given."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
     await consumer.start()
     try:
@@ -361,17 +361,21 @@ async def _tally(
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
-        counts: dict[str, int] = {}
+        shares: dict[tuple[str, int], int] = {}
         remaining = {tp for tp in parts if ends[tp]}
         while remaining:
             for records in (await consumer.getmany(timeout_ms=200)).values():
                 for r in records:
                     doc = json.loads(r.value)
-                    key = json.loads(r.key)  # keys are JSON strings
-                    counts[key] = int(doc["fraud"]) + int(doc["legit"])
+                    merchant, part = json.loads(r.key)
+                    shares[(merchant, part)] = int(doc["fraud"]) + int(doc["legit"])
                     if history is not None:
-                        history.setdefault(key, []).append({"partition": r.partition, "offset": r.offset, **doc})
+                        history.setdefault(merchant, []).append(
+                            {"labels_partition": part, "partition": r.partition, "offset": r.offset, **doc})
             remaining = {tp for tp in remaining if await consumer.position(tp) < ends[tp]}
+        counts: dict[str, int] = {}
+        for (merchant, _), n in shares.items():
+            counts[merchant] = counts.get(merchant, 0) + n
         return counts
     finally:
         await consumer.stop()
@@ -390,7 +394,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     env = worker_env(bootstrap=up.bootstrap, redis_url=up.env["REDIS_URL"], topics=topics, registry=trained_registry,
                      workdir=tmp_path / "w", partitions=PARTITIONS, FRAUD_QUALITY_EVERY_S="1")  # fmt: skip
     app_id = env["FRAUD_APP_ID"]
-    changelog = f"{app_id}-merchant-labels-changelog"
+    changelog = f"{app_id}-merchant-tally"
     workers = Workers(tmp_path / "w", env)
     make = TxFactory(sim_frame, f"t-cll-{topics.transactions[-6:]}")
     sent: list[Msg] = []
@@ -479,10 +483,6 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
                 done_labelling.set()
                 await producer.stop()
             assert restarted.alive() and feedback.alive(), workers.logs()
-            # The labels' repartition topic, declared at the first label, has 3 replicas too.
-            internal = await _faust_topics(settings, app_id)
-            repartition = [t for t in internal if t.endswith("-repartition")]
-            assert repartition and {len(p["replicas"]) for t in repartition for p in internal[t]} == {3}, internal
             return col
 
     try:
@@ -500,7 +500,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
         ends = asyncio.run(_label_ends(up.bootstrap, topics.labels, label_parts))
         deadline = time.monotonic() + 60
         while True:
-            tally_group = asyncio.run(committed_offsets(up.bootstrap, app_id, topics.labels, label_parts))
+            tally_group = asyncio.run(committed_offsets(up.bootstrap, f"{app_id}-tally", topics.labels, label_parts))
             loop_group = asyncio.run(committed_offsets(up.bootstrap, f"{app_id}-feedback", topics.labels, label_parts))
             labelled = quality_labelled()
             if (tally_group == ends and loop_group == ends and labelled == len(labels)) or time.monotonic() > deadline:
@@ -509,10 +509,8 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
         per_merchant: dict[str, int] = {}
         for label in labels.values():
             per_merchant[label["merchant_id"]] = per_merchant.get(label["merchant_id"], 0) + 1
-        # The tally as a reader of its changelog sees it once the last counts
-        # are there: the app's offsets on `labels` (above) say each label was
-        # re-keyed onto the repartition topic, not that the tally agent, which
-        # reads that topic, has counted it yet.
+        # The tally's group commits a batch's offsets once its counts are
+        # written (above); a reader of the tally's topic sees them too.
         deadline = time.monotonic() + 30
         while True:
             counted = asyncio.run(_tally(up.bootstrap, changelog, PARTITIONS))
@@ -546,10 +544,15 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     if short:  # what the changelog says of them: a label never counted, or a count written over
         history: dict[str, list[dict[str, Any]]] = {}
         asyncio.run(_tally(up.bootstrap, changelog, PARTITIONS, history))
+        last: dict[str, dict[int, dict[str, Any]]] = {}  # each merchant's shares, their last values
+        for m, values in history.items():
+            for v in values:
+                last.setdefault(m, {})[v["labels_partition"]] = v
         missing = {m: sorted(t for t, label in labels.items() if label["merchant_id"] == m
-                             and t not in (history.get(m) or [{}])[-1].get("recent", {})) for m in short}  # fmt: skip
+                             and not any(t in v["recent"] for v in last.get(m, {}).values())) for m in short}  # fmt: skip
         detail = {m: {"labels_then_counted": short[m], "labels_not_in_last_value": missing[m],
-                      "values": [(v["partition"], v["offset"], v["fraud"] + v["legit"], sorted(v["recent"]))
+                      "values": [(v["labels_partition"], v["partition"], v["offset"], v["fraud"] + v["legit"],
+                                  sorted(v["recent"]))
                                  for v in history.get(m, [])]} for m in short}  # fmt: skip
         raise AssertionError(f"tally short for {len(short)} merchants: {detail}; events {at}")
 

@@ -101,10 +101,11 @@ def test_score_workers_decide_and_the_feedback_worker_joins_the_labels(
 
         decided, label_ends = asyncio.run(decide_and_label())
         assert all(d["action"] in ("approve", "review", "decline") for d in decided.values())
-        # The scoring worker consumes `labels` too (its merchant tally): once its group
-        # has committed them to their end, every agent of that worker has been handed
-        # them. It runs no feedback loop: nothing is joined.
-        consumed = asyncio.run(wait_consumed(kafka_bootstrap, env["FRAUD_APP_ID"], topics.labels, label_ends, 60))
+        # The scoring worker consumes `labels` too (the merchant tally, in a group
+        # of its own): once that group has committed them to their end, the
+        # worker has counted them. It runs no feedback loop: nothing is joined.
+        consumed = asyncio.run(wait_consumed(kafka_bootstrap, f"{env['FRAUD_APP_ID']}-tally", topics.labels,
+                                             label_ends, 60))  # fmt: skip
         assert consumed == label_ends, f"labels committed {consumed}, end {label_ends}\n{workers.logs()}"
         assert labelled(env) == (0, 0), workers.logs()
 

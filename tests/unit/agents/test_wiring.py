@@ -58,10 +58,10 @@ def test_a_cluster_is_decided_from_settings_and_its_scorer_keeps_scripts_to_one_
     assert (scorer.lookup is None) is cluster
 
 
-def test_create_app_registers_the_scoring_task_and_the_registry_watch_without_a_broker() -> None:
-    """Registered by calls rather than faust's decorators: both still run with the app."""
+def test_create_app_registers_the_scoring_task_the_tally_and_the_registry_watch_without_a_broker() -> None:
+    """Registered by calls rather than faust's decorators: each still runs with the app."""
     rt = runtime(redis_url=f"redis://{NOWHERE}/0", kafka_bootstrap=NOWHERE, worker_role="score")
     app = create_app(rt.settings, rt)
     # NOTE: faust keeps the functions it starts with the app in _app_tasks
     # (timers too, wrapped in their interval loop): each keeps its name.
-    assert sorted(task.__name__ for task in app._app_tasks) == ["score", "watch_registry"]
+    assert sorted(task.__name__ for task in app._app_tasks) == ["count", "score", "watch_registry"]

@@ -1,4 +1,4 @@
-"""faust's own topics (changelog, repartition, leader) get the project topics' replicas."""
+"""faust's own topic (the assignor's leader topic) gets the project topics' replicas."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from agents.tally import install_merchant_tally
 from app import faust_app
 from app.settings import Settings
 from app.topics import replicas_for
@@ -35,7 +34,6 @@ def test_faust_declares_its_own_topics_with_the_project_replicas(
 
     monkeypatch.setattr(faust_app, "cluster_replicas", cluster_replicas)
     app = faust_app.base_app(settings)
-    install_merchant_tally(app, settings)  # the changelog and the labels' repartition topic
     assert app.conf.topic_replication_factor == 1  # faust's default until the app starts
     asyncio.run(app.on_first_start())
     assert asked == [settings]
@@ -46,15 +44,12 @@ def test_faust_declares_its_own_topics_with_the_project_replicas(
             created.append((topic, replication))
 
     async def declare_all() -> None:
-        changelog = app.tables["merchant-labels"].changelog_topic
         leader = app._leader_assignor._leader_topic  # type: ignore[attr-defined]
-        for topic in (changelog, leader):
-            monkeypatch.setattr(topic, "_get_producer", lambda: _ready(Producer()))
-            await topic.declare()
+        monkeypatch.setattr(leader, "_get_producer", lambda: _ready(Producer()))
+        await leader.declare()
 
     asyncio.run(declare_all())
-    assert created == [(f"{settings.app_id}-merchant-labels-changelog", replicas),
-                       (f"{settings.app_id}-__assignor-__leader", replicas)]  # fmt: skip
+    assert created == [(f"{settings.app_id}-__assignor-__leader", replicas)]
 
 
 async def _ready(value: object) -> object:

@@ -54,7 +54,9 @@ RIGHTS = [
     ("scoring-worker", "Read", S.topic_decisions, True),
     ("feedback-worker", "Read", S.topic_decisions, False),
     ("scoring-worker", "Write", S.topic_labels, False),
-    ("scoring-worker", "Create", f"{S.app_id}-merchant-labels-changelog", True),
+    ("scoring-worker", "Create", f"{S.app_id}-merchant-tally", True),
+    ("scoring-worker", "Write", f"{S.app_id}-merchant-tally", True),
+    ("feedback-worker", "Write", f"{S.app_id}-merchant-tally", False),
     ("scoring-worker", "Create", S.topic_decisions, False),
     ("feedback-worker", "Read", S.topic_feedback, True),
     ("feedback-worker", "Read", S.topic_labels, True),
@@ -97,8 +99,9 @@ def test_only_the_scoring_worker_holds_the_scoring_transactional_ids() -> None:
 def test_consumer_groups_are_per_role() -> None:
     scoring = scoring_group(S)
     assert scoring == f"{S.app_id}-score"
-    # The scoring loop's librdkafka consumer (app/eos.py), and faust's own group (the merchant tally).
-    for group in (scoring, S.app_id):
+    # The scoring loop's librdkafka consumer (app/eos.py), the merchant tally's
+    # counting group and its copies' reader (agents/tally.py), and faust's own group.
+    for group in (scoring, f"{S.app_id}-tally", f"{S.app_id}-tally-reader", S.app_id):
         assert allowed("scoring-worker", "group", group, "Read")
         assert allowed("scoring-worker", "group", group, "Describe")
         assert not allowed("feedback-worker", "group", group, "Read")
