@@ -14,13 +14,7 @@ from typing import Any
 import faust
 from faust.exceptions import AlreadyConfiguredWarning
 
-from app.seams import (
-    install_commit_past_gaps,
-    install_flush_drains_buffer,
-    install_read_committed,
-    install_resume_keeps_queues,
-    install_wait_topic_visible,
-)
+from app.seams import install_read_committed, install_wait_topic_visible
 from app.settings import Settings
 from app.topics import cluster_replicas, kafka_auth
 
@@ -80,9 +74,6 @@ def base_app(settings: Settings) -> faust.App:
     """
     install_read_committed()
     install_wait_topic_visible()
-    install_commit_past_gaps()  # a transactional topic's markers must not hold the commits back
-    install_flush_drains_buffer()  # a commit covers the merchant tally's writes only once they are sent
-    install_resume_keeps_queues()  # records queued during a recovery are processed, not dropped
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = ProjectApp(
         settings,
@@ -98,8 +89,8 @@ def base_app(settings: Settings) -> faust.App:
         web_port=settings.web_port,
         web_bind=settings.web_host,
         topic_partitions=settings.partitions,
-        # Our topics already exist (ensure_topics); faust declares only its own
-        # changelog and repartition topics, with the source's partition count.
+        # Our topics already exist (ensure_topics); faust declares only its
+        # own (the assignor's leader topic).
         topic_allow_declare=True,
     )
     return app
