@@ -15,7 +15,8 @@ they never hold up a decision.
 The records move through librdkafka (:mod:`app.eos`), not faust's stream: faust's
 per-event path cost more CPU than everything a decision does
 (docs/performance.md). faust still hosts the worker: its web server and
-metrics, the registry watch, the merchant tally and the feedback loop.
+metrics, the registry watch, the merchant tally and the feedback loop (each
+of which reads through librdkafka too).
 
 What the loop works with is built and connected once, at start, by
 :mod:`agents.wiring` (``fraud-pipeline worker``).

@@ -14,7 +14,7 @@ from typing import Any
 import faust
 from faust.exceptions import AlreadyConfiguredWarning
 
-from app.seams import install_read_committed, install_wait_topic_visible
+from app.seams import install_wait_topic_visible
 from app.settings import Settings
 from app.topics import cluster_replicas, kafka_auth
 
@@ -42,14 +42,14 @@ def _credentials(settings: Settings) -> Any:
 class ProjectApp(faust.App):
     """A faust app whose own topics get the replicas of the project's.
 
-    faust creates its changelog, repartition and leader topics at start with
-    ``topic_replication_factor`` (faust's default 1): on the 3-broker stack a
-    lost broker would have taken the merchant tally's changelog and the
-    labels' repartition topic with it. The factor is the project topics'
-    (``replication_factor``, else 3 on a cluster of 3 or more brokers), asked
-    of the cluster when the app first starts, before any of those topics is
-    declared (``on_first_start`` runs before faust starts its tables and
-    assignor); building the app stays free of network calls.
+    faust creates its own topics at start (the assignor's leader topic; a
+    table's changelog or a ``group_by``'s repartition topic, which no worker
+    declares now) with ``topic_replication_factor`` (faust's default 1): on the
+    3-broker stack a lost broker would take them with it. The factor is the
+    project topics' (``replication_factor``, else 3 on a cluster of 3 or more
+    brokers), asked of the cluster when the app first starts, before any of
+    those topics is declared (``on_first_start`` runs before faust starts its
+    tables and assignor); building the app stays free of network calls.
     """
 
     def __init__(self, settings: Settings, **options: Any) -> None:
@@ -72,7 +72,6 @@ def base_app(settings: Settings) -> faust.App:
     Shared by the scoring app and the benchmark's pass-through, so the two
     reach the broker in exactly the same way.
     """
-    install_read_committed()
     install_wait_topic_visible()
     sys.setswitchinterval(settings.gil_switch_interval_s)
     app = ProjectApp(

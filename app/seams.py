@@ -8,9 +8,6 @@ aiokafka 0.14.0, mode-streaming 0.7.1).
 
 The seams:
 
-- :func:`install_read_committed`: patches faust's
-  ``AIOKafkaConsumerThread._create_worker_consumer`` to set aiokafka's
-  ``AIOKafkaConsumer._isolation_level`` (workers read committed data only).
 - :func:`install_wait_topic_visible`: patches faust's
   ``Transport._really_create_topic`` to return once every broker knows the
   topic it created (on a cluster, the worker subscribes to it right after).
@@ -22,7 +19,9 @@ The seams:
   positional parameters (public, but positional: a reordering would swap
   fields silently).
 
-The scoring path (app/eos.py) runs on librdkafka's public API and needs none.
+The scoring path (app/eos.py), the feedback loop and the merchant tally
+(app/at_least_once.py) run on librdkafka's public API and need none: no faust
+stream or table carries a worker's records.
 faust is imported inside the seams that need it, never at module level: the
 gateway and the tools import this module (through app/topics.py) and do not
 otherwise load faust.
@@ -33,45 +32,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["admin_request", "cluster_metadata", "install_read_committed", "install_wait_topic_visible", "send_raw"]
-
-
-# --- the worker consumer's isolation level --------------------------------------------------------
-
-
-def install_read_committed() -> None:
-    """Make faust's worker consumer read with ``isolation_level=read_committed``.
-
-    Upstream: faust-streaming 0.15.3, ``faust.transport.drivers.aiokafka.
-    AIOKafkaConsumerThread._create_worker_consumer`` (called by its
-    ``_create_consumer`` from ``on_start``), and aiokafka 0.14.0
-    ``AIOKafkaConsumer._isolation_level`` (handed to its ``Fetcher`` in
-    ``start()``).
-
-    NOTE: faust reads committed data only in its own exactly-once mode
-    (``processing_guarantee="exactly_once"``, which this project does not use:
-    the scoring path commits its own transactions, app/eos.py), and offers no
-    setting for the isolation level. faust's consumer reads ``labels`` for the
-    merchant tally, and a producer of labels may write in transactions: an
-    aborted transaction's records must stay invisible to the tally. The
-    consumer is built before it starts, and aiokafka hands
-    ``_isolation_level`` to its fetcher at start, so setting it on the new
-    consumer is enough.
-    """
-    from faust.transport.drivers import aiokafka as faust_aiokafka
-
-    thread_cls = faust_aiokafka.AIOKafkaConsumerThread
-    original = thread_cls._create_worker_consumer
-    if getattr(original, "_fraud_patched", False):
-        return
-
-    def _create_worker_consumer(self: Any, transport: Any) -> Any:
-        consumer = original(self, transport)
-        consumer._isolation_level = "read_committed"
-        return consumer
-
-    _create_worker_consumer._fraud_patched = True  # type: ignore[attr-defined]
-    thread_cls._create_worker_consumer = _create_worker_consumer  # type: ignore[method-assign]
+__all__ = ["admin_request", "cluster_metadata", "install_wait_topic_visible", "send_raw"]
 
 
 # --- faust's own topics, visible before it subscribes to them --------------------------------------

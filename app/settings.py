@@ -169,10 +169,11 @@ class Settings(BaseSettings):
 
     # --- faust app ---------------------------------------------------------
     app_id: str = "fraud-pipeline"
-    """Faust app id, and faust's consumer group (the merchant tally reads ``labels``
-    in it). The scoring workers consume ``transactions`` in group
-    ``<app_id>-score``; the feedback loop reads ``feedback`` and ``labels`` in
-    ``<app_id>-feedback`` (a ``feedback`` worker's faust app is
+    """Faust app id, and the group of the faust app hosting a scoring worker.
+    The scoring workers consume ``transactions`` in group ``<app_id>-score``
+    and count ``labels`` into the merchant tally (``<app_id>-merchant-tally``)
+    in ``<app_id>-tally``; the feedback loop reads ``feedback`` and ``labels``
+    in ``<app_id>-feedback`` (a ``feedback`` worker's faust app is
     ``<app_id>-feedback-host``); the transactional ids start with
     ``<app_id>-score-``."""
 

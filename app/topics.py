@@ -59,9 +59,9 @@ def topic_configs(settings: Settings) -> dict[str, dict[str, str]]:
 
 
 def replicas_for(settings: Settings, brokers: int) -> int:
-    """Replicas of every topic created for this project, its own and faust's
-    (changelog, repartition, leader): ``replication_factor``, else 3 on a
-    cluster of 3 or more brokers and 1 on fewer."""
+    """Replicas of every topic created for this project, its own (the merchant
+    tally's too) and faust's (the leader topic): ``replication_factor``, else 3
+    on a cluster of 3 or more brokers and 1 on fewer."""
     return settings.replication_factor or (3 if brokers >= 3 else 1)
 
 

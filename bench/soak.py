@@ -79,9 +79,9 @@ CLUSTER_LABEL_SHARE = 0.05
 #: After the load, how long the feedback worker gets to commit the last labels'
 #: offsets (faust commits every few seconds) before they are counted.
 LABELS_SETTLE_S = 15.0
-#: A worker's start on the cluster: faust declares its changelog and repartition
-#: topics (3 replicas each) and its group rebalances as they appear, on cores the
-#: six JVMs share; one start there took over bench.workers' 90 s.
+#: A worker's start on the cluster: topics declared at start (3 replicas each)
+#: and groups joined, on cores the six JVMs share; one start there took over
+#: bench.workers' 90 s.
 CLUSTER_READY_S = 240.0
 COLUMNS = ("minute", "decided_per_s", "p50_ms", "p99_ms", "broker_cpu_ms_per_message",
            "worker_cpu_ms_per_decision", "broker_rss_mb", "worker_rss_mb", "in_flight")  # fmt: skip

@@ -273,7 +273,7 @@ class Scorer:
         self.limits = limits
         self.model_budget_s = model_budget_s
         self.wall_clock = wall_clock
-        #: Live confirmed-fraud tally per merchant (a faust GlobalTable in the worker).
+        #: Live confirmed-fraud tally per merchant (every worker's copy, agents/tally.py).
         self.merchant_tally = merchant_tally
         self._cache, self._store, self._admission, self._one_call = cache, store, admission, lookup
         self.round_trips = round_trips

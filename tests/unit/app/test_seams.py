@@ -33,29 +33,6 @@ def app(tmp_path: Path) -> faust.App:
     return faust.App("seams-canary", broker=f"kafka://{NOWHERE}", store="memory://", datadir=str(tmp_path))
 
 
-# --- install_read_committed -----------------------------------------------------------------------
-
-
-def test_read_committed_is_set_on_the_consumer_faust_builds(app: faust.App) -> None:
-    seams.install_read_committed()
-    seams.install_read_committed()  # idempotent: wrapped once
-    thread_cls = faust_aiokafka.AIOKafkaConsumerThread
-    assert getattr(thread_cls._create_worker_consumer, "_fraud_patched", False)
-    # faust's thread builds its consumer in on_start through _create_consumer.
-    assert "self._create_consumer(" in inspect.getsource(thread_cls.on_start)
-
-    async def build() -> Any:
-        thread = app.consumer._thread
-        assert isinstance(thread, thread_cls)
-        return thread._create_consumer(loop=asyncio.get_running_loop())
-
-    kafka = asyncio.run(build())
-    assert isinstance(kafka, AIOKafkaConsumer)
-    assert kafka._isolation_level == "read_committed"
-    # ...and aiokafka still hands that attribute to its fetcher when it starts.
-    assert "isolation_level=self._isolation_level" in inspect.getsource(AIOKafkaConsumer.start)
-
-
 # --- install_wait_topic_visible -------------------------------------------------------------------
 
 
