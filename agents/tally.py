@@ -31,9 +31,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -41,6 +41,7 @@ from agents.watchdog import exit_on_failure
 from app.at_least_once import AtLeastOnce
 from app.errors import TallyError
 from app.librdkafka import client_config
+from app.retry import retry
 from app.settings import Settings
 from app.topics import ensure_topics
 from pipeline.labels import Label, MerchantTally, TallyView, parse_label, parse_tally_key, tally_key, tally_writes
@@ -52,14 +53,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: Labels counted per batch, and how long a take waits for them.
 BATCH = 500
 WITHIN_S = 1.0
 #: How long the reader's copy may take to reach an end it is asked for before
 #: the worker gives up on it (a reader that cannot read: exits, restarted).
 REACH_WITHIN_S = 120.0
-#: How long a new topic may take to show on the broker the reader asks.
-VISIBLE_WITHIN_S = 60.0
+#: How long a metadata or offsets request that fails is asked again: a topic
+#: just created, not yet known to the broker asked, or a partition whose
+#: leader was just lost ("Not leader for partition" until librdkafka's
+#: metadata catches up, seen on the 3-broker stack). Past it the worker exits
+#: to be restarted.
+RETRY_FOR_S = 60.0
 
 
 def tally_topic(settings: Settings) -> str:
@@ -113,28 +120,25 @@ class TallyReader:
     async def start(self) -> None:
         """Assign every partition from its start and follow them; :attr:`start_ends`
         is where each partition ended when this began."""
-        await asyncio.to_thread(self._open)
+        kafka = _kafka()
+        self._consumer = await asyncio.to_thread(self._factory, self._config)
+        self._partitions = await asked_again(lambda: asyncio.to_thread(self._partitions_now), self.topic)
+        self.start_ends = await asked_again(lambda: asyncio.to_thread(self._ends), self.topic)
+        tps = [kafka.TopicPartition(self.topic, p, kafka.OFFSET_BEGINNING) for p in self._partitions]
+        await asyncio.to_thread(self._consumer.assign, tps)
         self._thread = threading.Thread(target=self._follow, name=f"tally-reader-{self.topic}", daemon=True)
         self._thread.start()
 
-    def _open(self) -> None:
-        kafka = _kafka()
-        self._consumer = self._factory(self._config)
-        deadline = time.monotonic() + VISIBLE_WITHIN_S
-        while not self._partitions:  # a topic just created may not show on every broker yet
-            meta = self._consumer.list_topics(self.topic, 10.0).topics.get(self.topic)
-            if meta is not None and meta.error is None and meta.partitions:
-                self._partitions = sorted(meta.partitions)
-            elif time.monotonic() > deadline:
-                raise TallyError(f"{self.topic}: no partitions after {VISIBLE_WITHIN_S:.0f} s")
-            else:
-                time.sleep(0.2)
-        self.start_ends = self._ends(self._consumer)
-        self._consumer.assign([kafka.TopicPartition(self.topic, p, kafka.OFFSET_BEGINNING) for p in self._partitions])
+    def _partitions_now(self) -> list[int]:
+        meta = self._consumer.list_topics(self.topic, 10.0).topics.get(self.topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise TallyError(f"{self.topic}: no partitions known yet")  # a topic just created
+        return sorted(meta.partitions)
 
-    def _ends(self, consumer: Any) -> dict[int, int]:
+    def _ends(self) -> dict[int, int]:
         kafka = _kafka()
-        return {p: consumer.get_watermark_offsets(kafka.TopicPartition(self.topic, p), 10.0)[1] for p in self._partitions}
+        tp = kafka.TopicPartition
+        return {p: self._consumer.get_watermark_offsets(tp(self.topic, p), 10.0)[1] for p in self._partitions}
 
     def _follow(self) -> None:
         kafka = _kafka()
@@ -247,11 +251,22 @@ class TallyCounter:
         batch = _merchant_labels([(r.partition(), r.value()) for r in records])
         if batch:
             # On top of this worker's last writes, and of the partitions' owners' before it.
-            await self.reader.reached(await self.labels.ends(self.producer.topic))
+            ends = await asked_again(lambda: self.labels.ends(self.producer.topic), self.producer.topic)
+            await self.reader.reached(ends)
             changed = tally_writes(self.reader.view, batch)
             if changed:
                 await self.producer.write(changed)
         await self.labels.done(records)
+
+
+async def asked_again(call: Callable[[], Awaitable[T]], topic: str) -> T:
+    """``call()``, asked again while the broker answers with an error, for up to :data:`RETRY_FOR_S`."""
+
+    def waiting(exc: Exception, sleep_s: float) -> None:
+        log.warning("merchant tally: %s: %s; asked again in %.1f s", topic, exc, sleep_s)
+
+    return await retry(call, first_s=0.2, cap_s=2.0, deadline=time.monotonic() + RETRY_FOR_S,
+                       retry_on=(_kafka().KafkaException, TallyError), on_retry=waiting)  # fmt: skip
 
 
 def _merchant_labels(records: Sequence[tuple[int, bytes | None]]) -> list[tuple[int, Label]]:

@@ -63,7 +63,7 @@ from typing import Any
 import orjson
 import pandas as pd
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from workers import (
     REPO,
@@ -73,11 +73,14 @@ from workers import (
     TxFactory,
     Workers,
     committed_offsets,
+    end_offsets,
     make_producer,
+    read_shares,
     report,
     send_all,
     send_paced,
     tally,
+    tally_by_merchant,
     tx_msg,
     worker_env,
 )
@@ -348,39 +351,6 @@ async def _faust_topics(settings: Settings, app_id: str) -> dict[str, list[dict[
     return await cluster.describe_partitions(settings, names)
 
 
-async def _tally(
-    bootstrap: str, changelog: str, partitions: int, history: dict[str, list[dict[str, Any]]] | None = None
-) -> dict[str, int]:
-    """Labels counted per merchant: the sum of the last value of each of its
-    shares (a key ``[merchant, labels partition]``) in the tally's topic;
-    every value of each merchant's shares appended to ``history`` when given."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
-    await consumer.start()
-    try:
-        parts = [TopicPartition(changelog, p) for p in range(partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        shares: dict[tuple[str, int], int] = {}
-        remaining = {tp for tp in parts if ends[tp]}
-        while remaining:
-            for records in (await consumer.getmany(timeout_ms=200)).values():
-                for r in records:
-                    doc = json.loads(r.value)
-                    merchant, part = json.loads(r.key)
-                    shares[(merchant, part)] = int(doc["fraud"]) + int(doc["legit"])
-                    if history is not None:
-                        history.setdefault(merchant, []).append(
-                            {"labels_partition": part, "partition": r.partition, "offset": r.offset, **doc})
-            remaining = {tp for tp in remaining if await consumer.position(tp) < ends[tp]}
-        counts: dict[str, int] = {}
-        for (merchant, _), n in shares.items():
-            counts[merchant] = counts.get(merchant, 0) + n
-        return counts
-    finally:
-        await consumer.stop()
-
-
 def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     up: Stack, sim_frame: pd.DataFrame, trained_registry: Path, tmp_path: Path
 ) -> None:
@@ -394,7 +364,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     env = worker_env(bootstrap=up.bootstrap, redis_url=up.env["REDIS_URL"], topics=topics, registry=trained_registry,
                      workdir=tmp_path / "w", partitions=PARTITIONS, FRAUD_QUALITY_EVERY_S="1")  # fmt: skip
     app_id = env["FRAUD_APP_ID"]
-    changelog = f"{app_id}-merchant-tally"
+    tally_topic = f"{app_id}-merchant-tally"
     workers = Workers(tmp_path / "w", env)
     make = TxFactory(sim_frame, f"t-cll-{topics.transactions[-6:]}")
     sent: list[Msg] = []
@@ -431,11 +401,11 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
                 await w.wait_for_log("Ready", 180)
             # faust's own topics, as the replicated stack's: 3 replicas, all in sync.
             internal = await _faust_topics(settings, app_id)
-            expected = {changelog, f"{app_id}-__assignor-__leader", f"{app_id}-feedback-host-__assignor-__leader"}
+            expected = {tally_topic, f"{app_id}-__assignor-__leader", f"{app_id}-feedback-host-__assignor-__leader"}
             assert expected <= set(internal), sorted(internal)
             replication = {t: {(len(p["replicas"]), len(p["isr"])) for p in parts} for t, parts in internal.items()}
             assert all(r == {(3, 3)} for r in replication.values()), replication
-            leaders = [p["leader"] for p in internal[changelog]]
+            leaders = [p["leader"] for p in internal[tally_topic]]
             victim = max(set(leaders), key=leaders.count)
             producer = make_producer(up.bootstrap, enable_idempotence=True, request_timeout_ms=60_000)
             await producer.start()
@@ -497,7 +467,7 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
             return sum(m["labelled"] for m in json.loads(done.stdout)["models"].values())
 
         label_parts = topics.partition_counts(PARTITIONS)[topics.labels]
-        ends = asyncio.run(_label_ends(up.bootstrap, topics.labels, label_parts))
+        ends = asyncio.run(end_offsets(up.bootstrap, topics.labels, label_parts))
         deadline = time.monotonic() + 60
         while True:
             tally_group = asyncio.run(committed_offsets(up.bootstrap, f"{app_id}-tally", topics.labels, label_parts))
@@ -513,7 +483,8 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
         # written (above); a reader of the tally's topic sees them too.
         deadline = time.monotonic() + 30
         while True:
-            counted = asyncio.run(_tally(up.bootstrap, changelog, PARTITIONS))
+            counted = {m: fraud + legit for m, (fraud, legit)
+                       in tally_by_merchant(asyncio.run(read_shares(up.bootstrap, tally_topic, PARTITIONS))).items()}  # fmt: skip
             if {m: counted.get(m, 0) for m in per_merchant} == per_merchant or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
@@ -541,9 +512,9 @@ def test_labels_flow_while_a_broker_is_down_and_the_scoring_worker_restarts(
     assert tally_group == ends and loop_group == ends, (tally_group, loop_group, ends)
     assert labelled == len(labels), (labelled, len(labels), _unjoined(up, app_id, topics, labels, workers))
     short = {m: (n, counted.get(m, 0)) for m, n in per_merchant.items() if counted.get(m, 0) != n}
-    if short:  # what the changelog says of them: a label never counted, or a count written over
+    if short:  # what the tally topic says of them: a label never counted, or a count written over
         history: dict[str, list[dict[str, Any]]] = {}
-        asyncio.run(_tally(up.bootstrap, changelog, PARTITIONS, history))
+        asyncio.run(read_shares(up.bootstrap, tally_topic, PARTITIONS, history))
         last: dict[str, dict[int, dict[str, Any]]] = {}  # each merchant's shares, their last values
         for m, values in history.items():
             for v in values:
@@ -603,13 +574,3 @@ def _unjoined_why(up: Stack, app_id: str, topics: Topics, labels: dict[str, Any]
     logs = {w.log_path.name: [line for line in w.text().splitlines() if any(n in line for n in wanted)][-40:]
             for w in workers.started}  # fmt: skip
     return {"unjoined": sides, "feedback_records": asyncio.run(where()), "logs": logs}
-
-
-async def _label_ends(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
-    await consumer.start()
-    try:
-        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in range(partitions)])
-        return {tp.partition: offset for tp, offset in ends.items()}
-    finally:
-        await consumer.stop()

@@ -51,14 +51,17 @@ from workers import (  # tests/integration is on sys.path (pytest rootdir-relati
     TxFactory,
     Workers,
     committed_offsets,
+    end_offsets,
     lost_detail,
     make_producer,
     read_index,
+    read_shares,
     report,
     rescan,
     send_all,
     send_paced,
     tally,
+    tally_by_merchant,
     tx_msg,
     worker_env,
 )
@@ -1388,3 +1391,89 @@ def test_fault_zombie_worker(rig_factory: Callable[..., Rig], materialized: str,
             assert a.alive() and b.alive(), rig.workers.logs()
 
     asyncio.run(scenario())
+
+
+# --- the merchant tally through a kill -9 and a rebalance -----------------------------------
+
+
+@tiers(fast_timeout_s=300)
+def test_fault_tally_through_kill9_and_rebalance(rig_factory: Callable[..., Rig], materialized: str, tier: Tier) -> None:
+    """Labels with their merchants flow while two scoring workers share them
+    (agents/tally.py): one is killed (SIGKILL), a third joins later. Some labels
+    are sent twice, some transactions change verdict later. Every merchant's
+    tally, as any worker's copy sums it from the tally's topic, equals the last
+    verdict of each of its transactions: nothing skipped, nothing counted twice."""
+    rig = rig_factory(materialized, "tally", FRAUD_WORKER_ROLE="score")
+    _defaults_only(rig)
+    app_id = rig.workers.base_env["FRAUD_APP_ID"]
+    sent: list[Msg] = []
+    final: dict[str, tuple[str, str]] = {}  # transaction id -> (merchant, its last verdict)
+    records = 0
+    duration = max(tier.load_s, 20.0)
+    rate = 100.0  # labels a second (and as many transactions, decided meanwhile)
+
+    async def labelling(producer: Any) -> None:
+        nonlocal records
+        t0 = time.monotonic()
+        for i in range(int(duration * rate)):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+            txid, merchant = f"l-{app_id[-6:]}-{i}", f"m-{i % 13}"
+            batch = [(txid, merchant, "fraud" if i % 5 == 0 else "legit")]
+            if i % 7 == 0:
+                batch.append(batch[0])  # sent twice: counts once
+            if i >= 50 and (i - 50) % 10 == 0:  # a verdict changed 0.5 s later: the count moves
+                earlier, (m, verdict) = f"l-{app_id[-6:]}-{i - 50}", final[f"l-{app_id[-6:]}-{i - 50}"]
+                batch.append((earlier, m, "legit" if verdict == "fraud" else "fraud"))
+            for tx, m, verdict in batch:
+                label = {"transaction_id": tx, "label": verdict, "source": "chargeback", "merchant_id": m}
+                await producer.send(rig.topics.labels, orjson.dumps(label), key=tx.encode())
+                final[tx] = (m, verdict)
+                records += 1
+        await producer.flush()
+
+    async def scenario() -> dict[str, Any]:
+        await rig.topics.create(rig.bootstrap, PARTITIONS)
+        async with rig.collector() as col:
+            a, b = rig.workers.start(), rig.workers.start()
+            for w in (a, b):
+                await w.wait_for_log("Ready", READY_TIMEOUT_S)
+            producer = make_producer(rig.bootstrap, enable_idempotence=True)
+            await producer.start()
+            try:
+                async with paced_load(rig, rate=rate, duration=duration, sent=sent) as load:
+                    labels = asyncio.create_task(labelling(producer))
+                    await asyncio.sleep(duration * 0.3)
+                    a.kill9()
+                    await asyncio.sleep(duration * 0.3)
+                    c = rig.workers.start()
+                    await asyncio.gather(load, labels)
+            finally:
+                await producer.stop()
+            await c.wait_for_log("Ready", READY_TIMEOUT_S)
+            await col.wait_all(sent, tier.drain_s, settle=3.0, abort=rig.workers.none_alive)
+            parts = rig.topics.partition_counts(PARTITIONS)[rig.topics.labels]
+            ends = await end_offsets(rig.bootstrap, rig.topics.labels, parts)
+            expected: dict[str, tuple[int, int]] = {}
+            for merchant, verdict in final.values():
+                fraud, legit = expected.get(merchant, (0, 0))
+                expected[merchant] = (fraud + (verdict == "fraud"), legit + (verdict == "legit"))
+            deadline = time.monotonic() + 60
+            while True:
+                committed = await committed_offsets(rig.bootstrap, f"{app_id}-tally", rig.topics.labels, parts)
+                counted = tally_by_merchant(await read_shares(rig.bootstrap, f"{app_id}-merchant-tally", PARTITIONS))
+                if (committed == ends and counted == expected) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1.0)
+            return {"col": col, "committed": committed, "ends": ends, "counted": counted, "expected": expected,
+                    "alive": b.alive() and c.alive()}  # fmt: skip
+
+    out = asyncio.run(scenario())
+    t = tally(out["col"], sent, by="transaction")
+    wrong = {m: (out["counted"].get(m), n) for m, n in out["expected"].items() if out["counted"].get(m) != n}
+    report(t.line("tally_kill9_rebalance", labels=len(final), label_records=records,
+                  tallied=sum(f + g for f, g in out["counted"].values()), merchants_wrong=len(wrong)))  # fmt: skip
+    assert t.lost == 0, f"{lost_detail(t)}\n{rig.workers.logs()}"
+    check_no_duplicate_disagrees(t)
+    assert out["alive"], rig.workers.logs()
+    assert out["committed"] == out["ends"], (out["committed"], out["ends"])
+    assert not wrong, f"(counted, expected) per merchant: {wrong}\n{rig.workers.logs(40)}"

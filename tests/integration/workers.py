@@ -713,3 +713,53 @@ def report(line: str) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as out:
             out.write(line + "\n")
+
+
+async def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
+    """The end offset of each partition of ``topic``."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in range(partitions)])
+        return {tp.partition: offset for tp, offset in ends.items()}
+    finally:
+        await consumer.stop()
+
+
+async def read_shares(
+    bootstrap: str, topic: str, partitions: int, history: dict[str, list[dict[str, Any]]] | None = None
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """The merchant tally as its topic holds it (agents/tally.py): the last value
+    of each share, by ``(merchant, labels partition)``; every value of each
+    merchant's shares appended to ``history`` when given."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        shares: dict[tuple[str, int], dict[str, Any]] = {}
+        remaining = {tp for tp in parts if ends[tp]}
+        while remaining:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for r in records:
+                    doc = orjson.loads(r.value)
+                    merchant, part = orjson.loads(r.key)
+                    shares[(merchant, part)] = doc
+                    if history is not None:
+                        history.setdefault(merchant, []).append(
+                            {"labels_partition": part, "partition": r.partition, "offset": r.offset, **doc})
+            remaining = {tp for tp in remaining if await consumer.position(tp) < ends[tp]}
+        return shares
+    finally:
+        await consumer.stop()
+
+
+def tally_by_merchant(shares: dict[tuple[str, int], dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """(fraud, legit) per merchant: the sum of its shares, as every worker's copy holds it."""
+    sums: dict[str, tuple[int, int]] = {}
+    for (merchant, _), doc in shares.items():
+        fraud, legit = sums.get(merchant, (0, 0))
+        sums[merchant] = (fraud + int(doc["fraud"]), legit + int(doc["legit"]))
+    return sums

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import Message, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from agents.tally import TallyCounter, TallyProducer, TallyReader
 from app.errors import TallyError
@@ -99,8 +99,8 @@ class LogProducer:
 class LogConsumer:
     """The calls TallyReader makes of ``confluent_kafka.Consumer``."""
 
-    def __init__(self, log: Log) -> None:
-        self.log = log
+    def __init__(self, log: Log, refusals: int = 0) -> None:
+        self.log, self.refusals = log, refusals
         self.at: dict[int, int] = {}
 
     def list_topics(self, topic: str, timeout: float) -> Any:
@@ -108,6 +108,9 @@ class LogConsumer:
         return SimpleNamespace(topics={topic: SimpleNamespace(error=None, partitions=partitions)})
 
     def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+        if self.refusals:  # as right after a partition's leader was lost
+            self.refusals -= 1
+            raise KafkaException(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION))
         return 0, len(self.log.parts[tp.partition])
 
     def assign(self, tps: list[TopicPartition]) -> None:
@@ -206,3 +209,18 @@ def test_labels_without_a_merchant_are_marked_counted_and_write_nothing() -> Non
         return labels
 
     assert asyncio.run(scenario()).marked == [[(1, 7), (1, 8)]] and log.end() == {0: 0, 1: 0}
+
+
+def test_a_copy_restores_once_the_broker_answers_after_a_leader_was_lost() -> None:
+    log = Log(partitions=2)
+    log.parts[1].append((tally_key("m-1", 0), orjson.dumps(MerchantTally(2, 1).to_json())))
+
+    async def scenario() -> TallyView:
+        reader = TallyReader(TALLY, {}, TallyView(), consumer_factory=lambda c: LogConsumer(log, refusals=2))
+        await reader.start()  # asked again after "Not leader for partition"
+        await reader.reached(reader.start_ends)
+        await reader.close()
+        return reader.view
+
+    tally = asyncio.run(scenario()).get("m-1")
+    assert tally is not None and (tally.fraud, tally.legit) == (2, 1)
