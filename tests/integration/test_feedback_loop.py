@@ -40,7 +40,7 @@ import orjson
 import pandas as pd
 import pytest
 import redis
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from workers import (
     REPO,
     Collector,
@@ -51,6 +51,7 @@ from workers import (
     committed_offsets,
     iso,
     make_producer,
+    read_to_end,
     send_all,
     tally,
     tx_msg,
@@ -389,23 +390,14 @@ async def _records_end(bootstrap: str, topic: str, partitions: int) -> dict[int,
     """Per partition, the offset after its last committed record: where a group
     that has processed every record stands. The topic's end offset is one more
     (the last transaction's commit marker, which no consumer receives)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                isolation_level="read_committed", fetch_max_wait_ms=50)  # fmt: skip
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        after_last = {p: 0 for p in range(partitions)}
-        remaining = set(parts)
-        while remaining:
-            for tp, records in (await consumer.getmany(timeout_ms=200)).items():
-                after_last[tp.partition] = records[-1].offset + 1
-            remaining = {tp for tp in remaining if await consumer.position(tp) < ends[tp]}
-        return after_last
-    finally:
-        await consumer.stop()
+    after_last = {p: 0 for p in range(partitions)}
+
+    def last(tp: TopicPartition, records: list[Any]) -> None:
+        if records:
+            after_last[tp.partition] = records[-1].offset + 1
+
+    await read_to_end(bootstrap, topic, partitions, last, isolation_level="read_committed")
+    return after_last
 
 
 def test_the_loop_commits_every_feedback_record_it_processed_and_again_on_stop(loop: Loop) -> None:

@@ -726,34 +726,47 @@ async def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, 
         await consumer.stop()
 
 
-async def read_shares(
-    bootstrap: str, topic: str, partitions: int, history: dict[str, list[dict[str, Any]]] | None = None
-) -> dict[tuple[str, int], dict[str, Any]]:
-    """The merchant tally as its topic holds it (agents/tally.py): the last value
-    of each share, by ``(merchant, labels partition)``; every value of each
-    merchant's shares appended to ``history`` when given."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
+async def read_to_end(
+    bootstrap: str, topic: str, partitions: int, on_records: Callable[[TopicPartition, list[Any]], None], **options: Any
+) -> None:
+    """Every record of ``topic``, from its start to the end it has now, handed to
+    ``on_records`` a fetch at a time (``options``: the consumer's, such as its
+    isolation level)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50, **options)
     await consumer.start()
     try:
         parts = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
-        shares: dict[tuple[str, int], dict[str, Any]] = {}
         remaining = {tp for tp in parts if ends[tp]}
         while remaining:
-            for records in (await consumer.getmany(timeout_ms=200)).values():
-                for r in records:
-                    doc = orjson.loads(r.value)
-                    merchant, part = orjson.loads(r.key)
-                    shares[(merchant, part)] = doc
-                    if history is not None:
-                        history.setdefault(merchant, []).append(
-                            {"labels_partition": part, "partition": r.partition, "offset": r.offset, **doc})
+            for tp, records in (await consumer.getmany(timeout_ms=200)).items():
+                on_records(tp, records)
             remaining = {tp for tp in remaining if await consumer.position(tp) < ends[tp]}
-        return shares
     finally:
         await consumer.stop()
+
+
+async def read_shares(
+    bootstrap: str, topic: str, partitions: int, history: dict[str, list[dict[str, Any]]] | None = None
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """The merchant tally as its topic holds it (agents/tally.py): the last value
+    of each share, by ``(merchant, labels partition)``; every value of each
+    merchant's shares appended to ``history`` when given."""
+    shares: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def keep(_: TopicPartition, records: list[Any]) -> None:
+        for r in records:
+            doc = orjson.loads(r.value)
+            merchant, part = orjson.loads(r.key)
+            shares[(merchant, part)] = doc
+            if history is not None:
+                history.setdefault(merchant, []).append(
+                    {"labels_partition": part, "partition": r.partition, "offset": r.offset, **doc})
+
+    await read_to_end(bootstrap, topic, partitions, keep)
+    return shares
 
 
 def tally_by_merchant(shares: dict[tuple[str, int], dict[str, Any]]) -> dict[str, tuple[int, int]]:
