@@ -44,6 +44,14 @@ log = logging.getLogger(__name__)
 COMMIT_EVERY_MS = 1000
 
 
+#: How long a stopping worker waits for the consumer's close (its last commit,
+#: then LeaveGroup). NOTE: both go to the group coordinator, and librdkafka's
+#: close waits for a coordinator just lost (a broker killed) as long as it
+#: takes to find the next: a stopping worker could outlast the grace its
+#: supervisor gives it (15 s in the fault tests) on this alone.
+CLOSE_WITHIN_S = 5.0
+
+
 def _kafka() -> Any:
     import confluent_kafka
 
@@ -149,10 +157,15 @@ class AtLeastOnce:
                 log.info("%s: offset %d of %s[%d] not stored (%s)", self.group_id, offset, topic, partition, exc)
 
     async def close(self) -> None:
-        """Commit what is stored, leave the group and stop the client's thread."""
+        """Commit what is stored, leave the group and stop the client's thread,
+        waiting at most :data:`CLOSE_WITHIN_S` for it."""
         if self._consumer is not None:
             try:
-                await self._call(self._consumer.close)
+                await asyncio.wait_for(self._call(self._consumer.close), CLOSE_WITHIN_S)
+            except TimeoutError:
+                # What was not committed is read again by the partitions' next
+                # owners, once the group's session of this member has expired.
+                log.warning("%s: leaving the group took over %.0f s; not waited for", self.group_id, CLOSE_WITHIN_S)
             finally:
                 self._consumer = None
         self._thread.shutdown(wait=False)

@@ -5,6 +5,7 @@ or a label is left out, never retried for ever."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from agents.feedback import FeedbackLoop, parse_batch
+from app import at_least_once
 from app.at_least_once import AtLeastOnce, last_offsets
 from pipeline.labels import Label
 from pipeline.quality import JoinLedger, Served
@@ -198,3 +200,22 @@ def test_offsets_are_stored_for_commit_only_by_done_and_a_partition_gone_is_left
     assert consumer.config["isolation.level"] == "read_committed"
     assert consumer.stored == [(LABELS, 0, 2), (FEEDBACK, 2, 7)]
     assert consumer.closed
+
+
+def test_a_close_that_hangs_on_a_lost_coordinator_is_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(at_least_once, "CLOSE_WITHIN_S", 0.05)
+    release = threading.Event()
+
+    class Hanging(StoringConsumer):
+        def close(self) -> None:  # as librdkafka waiting for a group coordinator just lost
+            release.wait(5.0)
+
+    async def scenario() -> None:
+        reader = AtLeastOnce(topics=[LABELS], group_id="g", client_config={}, consumer_factory=Hanging)
+        await reader.start()
+        await asyncio.wait_for(reader.close(), 2.0)  # returns: the worker goes on stopping
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
