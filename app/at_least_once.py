@@ -5,7 +5,9 @@ The feedback loop (agents/feedback.py) reads ``feedback`` and ``labels``
 through it into the live-quality join, whose writes are idempotent
 (pipeline/quality.py: a decision counts once by its transaction id, a label
 overwrites the one before). Reading a record twice costs nothing there;
-skipping one loses a label from live quality for good.
+skipping one loses a label from live quality for good. The merchant tally
+(agents/tally.py) counts ``labels`` through it too; a label read twice counts
+once there as well (each share remembers its last labels).
 
 NOTE: faust's stream, which read them before, commits offsets it never handed
 to an agent. Records it drops while a rebalance is under way, or acks
