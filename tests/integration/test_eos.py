@@ -1,7 +1,8 @@
 """app/eos.py on the real broker: a transaction's records and offsets become
 visible together, a producer fenced by its own id is replaced and the records
-come back, compressed batches read back as sent, and a worker reading a
-transactional payment client's records decides each committed one once."""
+come back, compressed batches read back as sent, a worker reading a
+transactional payment client's records decides each committed one once, and
+the merchant tally counts a transactional labeller's committed labels only."""
 
 from __future__ import annotations
 
@@ -186,25 +187,54 @@ def orjson_like(i: int) -> bytes:
             f'"features":{{{features}}},"rule":"model"}}').encode()  # fmt: skip
 
 
-def test_faust_worker_consumer_reads_committed_only(kafka_bootstrap: str) -> None:
-    """The seam in app/seams.py (faust-streaming internals): the consumer faust
-    builds for a worker hands read_committed to aiokafka's fetcher, so the feedback
-    loop never reads an aborted transaction's records. Fails if an upgrade makes it a no-op."""
-    from aiokafka.consumer.fetcher import READ_COMMITTED
+def test_labels_of_an_aborted_transaction_are_not_counted_by_the_merchant_tally(
+    kafka_bootstrap: str, redis_url: str, trained_registry: Any, tmp_path: Any
+) -> None:
+    """A labeller writing `labels` in transactions: the merchant tally
+    (agents/tally.py, read_committed) counts the committed labels only, never
+    those of a transaction it aborted."""
+    import orjson
+    from workers import Topics, Workers, read_shares, tally_by_merchant, worker_env
 
-    from app.faust_app import base_app
-    from app.settings import Settings
+    topics = Topics.unique("txlabels")
+    asyncio.run(topics.create(kafka_bootstrap, 2))
+    env = worker_env(bootstrap=kafka_bootstrap, redis_url=redis_url, topics=topics, registry=trained_registry,
+                     workdir=tmp_path, partitions=2, FRAUD_WORKER_ROLE="score")  # fmt: skip
+    workers = Workers(tmp_path, env)
+    tally_topic = f"{env['FRAUD_APP_ID']}-merchant-tally"
 
-    async def scenario() -> Any:
-        app = base_app(Settings(kafka_bootstrap=kafka_bootstrap, app_id="eos-isolation"))
-        consumer = app.consumer._thread._create_worker_consumer(app.transport)
-        await consumer.start()
+    def label(i: int, verdict: str) -> bytes:
+        return orjson.dumps({"transaction_id": f"lt-{i}", "label": verdict, "source": "analyst", "merchant_id": "m-tx"})
+
+    async def scenario() -> dict[str, tuple[int, int]]:
+        worker = workers.start()
+        await worker.wait_for_log("Ready", 90)
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"labeller-{topics.labels}")
+        await producer.start()
         try:
-            return consumer._fetcher._isolation_level
+            await producer.begin_transaction()
+            for i in range(6):  # aborted: six frauds that never happened
+                await producer.send(topics.labels, label(i, "fraud"), key=f"lt-{i}".encode())
+            await producer.abort_transaction()
+            async with producer.transaction():
+                for i in range(6, 10):
+                    await producer.send(topics.labels, label(i, "fraud" if i == 6 else "legit"), key=f"lt-{i}".encode())
         finally:
-            await consumer.stop()
+            await producer.stop()
+        counted: dict[str, tuple[int, int]] = {}
+        for _ in range(60):  # the committed labels counted; the aborted ones, before them in the log, never
+            counted = tally_by_merchant(await read_shares(kafka_bootstrap, tally_topic, 2))
+            if sum(counted.get("m-tx", (0, 0))) >= 4:
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)
+        return tally_by_merchant(await read_shares(kafka_bootstrap, tally_topic, 2))
 
-    assert asyncio.run(scenario()) == READ_COMMITTED
+    try:
+        counted = asyncio.run(scenario())
+    finally:
+        workers.stop_all()
+    assert counted == {"m-tx": (1, 3)}, f"{counted}\n{workers.logs()}"
 
 
 def test_a_transactional_payment_client_is_decided_exactly_once(
