@@ -211,23 +211,37 @@ class WorkerProc:
 
     def __init__(self, env: dict[str, str], log_path: Path, *, broker_wait: float | None = None) -> None:
         self.log_path = log_path
+        self.env = env
+        self.broker_wait = broker_wait
+        self.relaunched = False
+        self._launch()
+        self.terminated = False
+
+    def _launch(self) -> None:
         self.port = stack.free_port()
         argv = [sys.executable, "-m", "tools.cli", "worker", "--web-port", str(self.port), "--loglevel", "info"]
-        if broker_wait is not None:
-            argv += ["--broker-wait", str(broker_wait)]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("wb") as log:
+        if self.broker_wait is not None:
+            argv += ["--broker-wait", str(self.broker_wait)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 argv,
                 cwd=REPO,
-                env=env,
+                env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.started = time.monotonic()
-        self.terminated = False
+
+    def _port_taken(self) -> bool:
+        """Whether the worker exited because its web port was taken. NOTE: the
+        port is free when drawn, but the worker binds it seconds later, and a
+        test running in parallel can draw and bind it meanwhile (seen once in
+        CI: a worker of the zombie test). Such a worker is started again, once,
+        on another port (:meth:`wait_for_log`)."""
+        return not self.alive() and not self.relaunched and "address already in use" in self.text()
 
     @property
     def pid(self) -> int:
@@ -246,6 +260,10 @@ class WorkerProc:
         """Seconds until ``needle`` appeared in the log."""
         start = time.monotonic()
         while needle not in self.text():
+            if self._port_taken():
+                self.relaunched = True
+                self._launch()
+                continue
             if not self.alive():
                 raise AssertionError(
                     f"worker {self.pid} exited ({self.proc.returncode}) before {needle!r}:\n{self.log()}"
