@@ -58,9 +58,12 @@ T = TypeVar("T")
 #: Labels counted per batch, and how long a take waits for them.
 BATCH = 500
 WITHIN_S = 1.0
-#: How long the reader's copy may take to reach an end it is asked for before
-#: the worker gives up on it (a reader that cannot read: exits, restarted).
-REACH_WITHIN_S = 120.0
+#: How long the reader's copy may go without reading a record while short of
+#: an end it is asked for before the worker gives up on it (a reader that
+#: cannot read: exits, restarted). NOTE: without progress, not in all: a
+#: restore of a large tally takes as long as it takes, and a bound on the
+#: whole of it would turn a big topic into a worker that never starts.
+STALLED_AFTER_S = 120.0
 #: How long a metadata or offsets request that fails is asked again: a topic
 #: just created, not yet known to the broker asked, or a partition whose
 #: leader was just lost ("Not leader for partition" until librdkafka's
@@ -171,12 +174,14 @@ class TallyReader:
 
     async def reached(self, ends: dict[int, int]) -> None:
         """Return once this copy has read every partition up to ``ends``."""
-        deadline = time.monotonic() + REACH_WITHIN_S
+        seen, moved = dict(self._positions), time.monotonic()
         while any(self._positions.get(p, 0) < end for p, end in ends.items()):
             if self._failed is not None:
                 raise TallyError(f"{self.topic}: the reader stopped") from self._failed
-            if time.monotonic() > deadline:
-                raise TallyError(f"{self.topic}: not read to {ends} within {REACH_WITHIN_S:.0f} s: {self._positions}")
+            if self._positions != seen:
+                seen, moved = dict(self._positions), time.monotonic()
+            elif time.monotonic() - moved > STALLED_AFTER_S:
+                raise TallyError(f"{self.topic}: no record read for {STALLED_AFTER_S:.0f} s short of {ends}: {seen}")
             await asyncio.sleep(0.01)
 
     async def close(self) -> None:

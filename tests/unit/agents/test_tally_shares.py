@@ -224,3 +224,44 @@ def test_a_copy_restores_once_the_broker_answers_after_a_leader_was_lost() -> No
 
     tally = asyncio.run(scenario()).get("m-1")
     assert tally is not None and (tally.fraud, tally.legit) == (2, 1)
+
+
+class SlowConsumer(LogConsumer):
+    """Hands out one record a call, slowly, or none at all once ``stuck``."""
+
+    def __init__(self, log: Log, stuck: bool = False) -> None:
+        super().__init__(log)
+        self.stuck = stuck
+
+    def consume(self, n: int, timeout: float) -> list[Message]:
+        time.sleep(0.02)
+        if self.stuck:
+            return []
+        for p, offset in self.at.items():
+            if offset < len(self.log.parts[p]):
+                key, value = self.log.parts[p][offset]
+                self.at[p] = offset + 1
+                return [Message(topic=TALLY, partition=p, offset=offset, key=key, value=value)]
+        return []
+
+
+def test_a_restore_longer_than_the_stall_limit_goes_on_while_it_reads_and_stops_when_it_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("agents.tally.STALLED_AFTER_S", 0.2)
+    log = Log(partitions=1)
+    for i in range(30):  # ~0.6 s to read, one record every 20 ms
+        log.parts[0].append((tally_key(f"m-{i}", 0), orjson.dumps(MerchantTally(1, 0).to_json())))
+
+    async def restore(stuck: bool) -> int:
+        reader = TallyReader(TALLY, {}, TallyView(), consumer_factory=lambda c: SlowConsumer(log, stuck))
+        await reader.start()
+        try:
+            await reader.reached(reader.start_ends)
+        finally:
+            await reader.close()
+        return len(reader.view)
+
+    assert asyncio.run(restore(stuck=False)) == 30
+    with pytest.raises(TallyError, match="no record read"):
+        asyncio.run(restore(stuck=True))
