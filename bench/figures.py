@@ -334,29 +334,33 @@ def render_summary(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: A decision's own stages (its ``latency_ms``), in the order it meets them.
-STAGES = ("queue_wait", "validate", "cache", "features", "model", "rules", "total")
+#: A decision's own stages (its ``latency_ms``), in the order it meets them,
+#: then ``after``: from its decision to its arrival at the client (tools/loadgen.py).
+STAGES = ("queue_wait", "validate", "cache", "features", "model", "rules", "total", "after")
+#: The pipeline under each load shape, in the stage table.
+SHAPES = ("batched", "outside", "outside-poisson")
 
 
 def _stages(doc: Mapping[str, Any]) -> list[str]:
-    """The batched pipeline's stage latencies at each main rate it kept up with."""
-    runs = [r for r in doc["runs"] if r["variant"] == "batched" and r.get("phase") == "rate" and r.get("stages")]
+    """The pipeline's stage latencies under each load shape, at each main rate it kept up with."""
+    runs = [r for r in doc["runs"] if r["variant"] in SHAPES and r.get("phase") == "rate" and r.get("stages")]
     runs = [r for r in runs if r["p99_ms"] is not None and r["p99_ms"] < 200.0]
     if not runs:
         return []
+    runs.sort(key=lambda r: (r["offered_tps"], SHAPES.index(r["variant"])))
     lines = [
         "",
-        "Where a batched decision's time went (its `latency_ms`: `queue_wait` is sent to taken; "
-        "the rest of the latency above is the transaction's commit and the `read_committed` fetch back), "
-        "p50 / p99 ms:",
+        "Where a decision's time went, under each load shape (its `latency_ms`: `queue_wait` is sent to "
+        "taken, `total` sent to decided; `after` is the rest of the latency above: the wait for the "
+        "transaction's commit, the commit and the `read_committed` fetch back), p50 / p99 ms:",
         "",
-        "| offered TPS | " + " | ".join(STAGES) + " |",
-        "|---" * (len(STAGES) + 1) + "|",
+        "| offered TPS | variant | " + " | ".join(STAGES) + " |",
+        "|---" * (len(STAGES) + 2) + "|",
     ]
     for run in runs:
         stages = run["stages"]
         cells = [f"{stages[s]['p50']:.1f} / {stages[s]['p99']:.1f}" if s in stages else "-" for s in STAGES]
-        lines.append(f"| {_tps(run['offered_tps'])} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_tps(run['offered_tps'])} | {run['variant']} | " + " | ".join(cells) + " |")
     return lines
 
 

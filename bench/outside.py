@@ -56,6 +56,7 @@ __all__ = [
     "first_seconds",
     "in_flight_at",
     "main",
+    "stage_percentiles",
     "summarise",
 ]
 
@@ -162,13 +163,33 @@ def summarise(
         "achieved_rate": round(in_window / window_s, 1) if window_s > 0 else 0.0,
         "latency_ms": _percentiles(latency_ms[measured & ok]),
         "generator_lag_ms": _percentiles(lag[measured] if len(lag) == len(ids) else lag),
-        "stages_ms": {},
+        "stages_ms": stage_percentiles(
+            [a for a, keep in zip(got, measured & ok) if keep and a is not None], latency_ms[measured & ok]
+        ),
         "actions": dict(actions),
         "cached": sum(1 for a in got if a is not None and a[2]),
         "degraded": sum(degraded_why.values()),
         "degraded_why": dict(degraded_why),
         "timeline": timeline,
     }
+
+
+def stage_percentiles(stamps: Sequence[Sequence[Any]], latency_ms: Sequence[float] | np.ndarray) -> dict[str, Any]:
+    """Percentiles of each of the decisions' own stages (their ``latency_ms``,
+    as the inside shape reports them) and ``after``: the latency less the
+    worker's ``total``, i.e. the transaction's commit and the read back.
+    ``stamps``: the stamper's entries of the measured decisions, in the order of ``latency_ms``."""
+    from tools.loadgen import AFTER
+
+    values: dict[str, list[float]] = {}
+    for stamp, ms in zip(stamps, latency_ms):
+        stages = stamp[6] if len(stamp) > 6 and isinstance(stamp[6], Mapping) else {}
+        for name, value in stages.items():
+            if isinstance(value, (int, float)):
+                values.setdefault(name, []).append(float(value))
+        if isinstance(stages.get("total"), (int, float)):
+            values.setdefault(AFTER, []).append(float(ms) - float(stages["total"]))
+    return {name: _percentiles(v) for name, v in sorted(values.items())}
 
 
 def first_seconds(
@@ -390,7 +411,7 @@ def stamp(args: argparse.Namespace) -> int:
             # start (queue_wait) and to its decision (total); the rest is after.
             seen[doc.get("transaction_id")] = [
                 now, why, bool(doc.get("cached")), doc.get("action", "none"),
-                stages.get("queue_wait"), stages.get("total"),
+                stages.get("queue_wait"), stages.get("total"), stages,
             ]  # fmt: skip
             if wanted is not None:
                 wanted.discard(doc.get("transaction_id"))

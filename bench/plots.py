@@ -125,7 +125,7 @@ def stages(doc: Mapping[str, Any], out: Path) -> Path | None:
     fig, axes = plt.subplots(2, len(variants), figsize=(6.5 * len(variants), 8), squeeze=False)
     cmap = plt.get_cmap("tab10")
     seen = {name for v in variants for r in _runs(doc, v, ("rate",)) for name in r["stages"]}
-    order = [*STAGES, *sorted(seen - set(STAGES) - {"total"})]
+    order = [*STAGES, *sorted(seen - set(STAGES) - {"total", "after"})]  # after: not scoring work
     work = order[1:]  # everything after queue_wait
     for col, variant in enumerate(variants):
         runs = [r for r in _runs(doc, variant, ("rate",)) if r["stages"]]

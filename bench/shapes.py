@@ -70,12 +70,23 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> list[str]:
             return round(float(np.median(values)), 2) if values else None
 
         cpu = [med(lambda r, k=k: (r["cpu_ms_per_decision"] or {}).get(k)) for k in ("worker", "broker", "redis")]
+        # Where the latency went: waiting to be taken, decided, and after (commit, read back).
+        parts = [
+            f"{name} {med(lambda r, s=stage: _stage(r, s, 'p50'))}/{med(lambda r, s=stage: _stage(r, s, 'p99'))}"
+            for name, stage in (("taken", "queue_wait"), ("decided", "total"), ("after", "after"))
+        ]
         lines.append(
             f"{rate:>7,.0f}  {cell:<42} n={len(mine)}  achieved {med(lambda r: r['achieved_tps'])}  "
             f"p50 {med(lambda r: r['p50_ms'])}  p99 {med(lambda r: r['p99_ms'])}  cpu ms/decision "
             + "/".join("-" if c is None else f"{c:.3f}" for c in cpu)
+            + "  p50/p99 ms " + "  ".join(parts)
         )
     return lines
+
+
+def _stage(run: dict[str, Any], stage: str, pct: str) -> float | None:
+    value = ((run.get("stages") or {}).get(stage) or {}).get(pct)
+    return None if value is None else float(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,12 +41,16 @@ from app.librdkafka import client_config
 from app.settings import Settings, get_settings
 from pipeline.decision_signing import Unverified, headers_of, verifier_from_settings
 
-__all__ = ["LoadConfig", "partitions_at_end", "percentiles", "run_load"]
+__all__ = ["AFTER", "LoadConfig", "partitions_at_end", "percentiles", "run_load"]
 
 #: The shortest sleep between two rounds of sends.
 TICK_S = 0.001
 #: How long the generator's producer holds sends to batch them in one request.
 LINGER_MS = 5
+#: A decision's time after the worker decided it (its latency less its own
+#: ``latency_ms.total``): the wait for its transaction's commit, the commit,
+#: and the ``read_committed`` fetch back. Reported beside the decision's stages.
+AFTER = "after"
 #: An explanation's word for a decision made without a model score (pipeline/scorer.py).
 DEGRADED = "degraded: "
 
@@ -442,8 +446,11 @@ class _LoadRun:
             self.received_ms.append(round(ms, 2))
         if tx_id in self.measured_ids:
             self.latencies.append(ms)
-            for stage, value in (doc.get("latency_ms") or {}).items():
+            stages = doc.get("latency_ms") or {}
+            for stage, value in stages.items():
                 self.stages[stage].append(value)
+            if isinstance(stages.get("total"), (int, float)):
+                self.stages[AFTER].append(ms - stages["total"])
         # A pass-through worker (bench) forwards transactions: no action.
         self.actions[doc.get("action", "none")] += 1
         self.flags["cached"] += bool(doc.get("cached"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench.criteria import THRESHOLDS_MS
-from bench.outside import agreement, arrival_times, first_seconds, in_flight_at, summarise
+from bench.outside import agreement, arrival_times, first_seconds, in_flight_at, stage_percentiles, summarise
 from bench.plan import BATCHED, BATCHED_X2, FULL_PLAN, OUTSIDE, QUICK_PLAN
 from bench.report import format_report
 from bench.verdicts import run_record, scaling_doc, shapes_doc, sustainable, threshold_key
@@ -78,6 +78,31 @@ def test_summary_joins_send_and_arrival_stamps() -> None:
     assert record["shape"] == "outside" and record["arrivals"] == "constant"
     assert record["cpu_pct"] == 50.0
     assert record["cpu_ms_per_decision"]["worker"] == pytest.approx(500 / 97, abs=0.001)  # half a core, 97/s
+
+
+def test_the_outside_shape_reports_the_decisions_stages_and_the_time_after_them() -> None:
+    """As the inside shape does, from the decisions the stamper read: each of
+    their own stages, and ``after`` (the latency less the worker's total: the
+    commit and the read back), of measured decisions only."""
+    sends, arrivals = two_files(n=200, latency_s=0.02)
+    for i, (tx, stamp) in enumerate(arrivals.items()):
+        if tx == "unrelated":
+            continue
+        slow = i % 10 == 0  # one in ten waited 12 ms to be taken, decided 15 ms after its send
+        stages = {"queue_wait": 12.0 if slow else 2.0, "model": 0.5, "total": 15.0 if slow else 5.0}
+        stamp += [stages["queue_wait"], stages["total"], stages]
+    arrivals["tx-150"] = arrivals["tx-150"][:4]  # a stamp without stages: in the latency, not the split
+    s = summarise(sends, arrivals, [], offered_tps=100.0, warmup_s=1.0, duration_s=2.0)
+    stages = s["stages_ms"]
+    assert set(stages) == {"queue_wait", "model", "total", "after"}
+    assert stages["queue_wait"]["p50"] == pytest.approx(2.0) and stages["queue_wait"]["max"] == pytest.approx(12.0)
+    # 20 ms in all: 15 after a 5 ms decision, 5 after the slow ones' 15.
+    assert stages["after"]["p50"] == pytest.approx(15.0, abs=0.01)
+    assert stages["after"]["p99"] == pytest.approx(15.0, abs=0.01)
+    assert stage_percentiles([[0.0, None, False, "approve", 1.0, 4.0, {"total": 4.0}]], [10.0])["after"]["max"] == 6.0
+    assert stage_percentiles([], []) == {}
+    record = run_record(OUTSIDE, "rate", 100.0, s, worker="w")
+    assert record["stages"]["queue_wait"]["p50"] == pytest.approx(2.0)
 
 
 def test_in_flight_counts_sent_and_not_yet_decided() -> None:
@@ -220,6 +245,26 @@ def test_a_knee_whose_search_was_cut_short_is_given_as_its_bracket() -> None:
     assert "`batched-x2` 2,000 " in render_summary(doc)
     doc["truncated"] = [f"batched-x2: search for {threshold_key(200.0)}"]
     assert "`batched-x2` 2,000-4,000 (search cut short)" in render_summary(doc)
+
+
+def test_the_summary_splits_each_shapes_latency_by_stage() -> None:
+    """Where the shapes' latencies part: one stage table, a row per shape and rate."""
+    from bench.figures import render_summary
+
+    def staged(rate: float, p99: float, after: float) -> dict[str, Any]:
+        stages = {"queue_wait": {"p50": 9.0, "p99": 20.0}, "total": {"p50": 12.0, "p99": 25.0},
+                  "after": {"p50": after, "p99": after * 2}}  # fmt: skip
+        return summary(rate, p99) | {"stages_ms": stages}
+
+    runs = [
+        run_record(BATCHED, "rate", 1000.0, staged(1000.0, 40.0, 8.0), worker="a"),
+        run_record(OUTSIDE, "rate", 1000.0, staged(1000.0, 70.0, 30.0), worker="b"),
+        run_record(OUTSIDE, "rate", 4000.0, staged(4000.0, 900.0, 30.0), worker="b"),  # over 200 ms: no row
+    ]
+    text = render_summary(doc_of(runs))
+    assert "| 1,000 | batched | 9.0 / 20.0 | - | - | - | - | - | 12.0 / 25.0 | 8.0 / 16.0 |" in text
+    assert "| 1,000 | outside | 9.0 / 20.0 | - | - | - | - | - | 12.0 / 25.0 | 30.0 / 60.0 |" in text
+    assert "| 4,000 | outside |" not in text
 
 
 def test_latency_plot_draws_every_variant_in_its_own_colour(tmp_path: Path) -> None:

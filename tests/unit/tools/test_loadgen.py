@@ -61,6 +61,21 @@ def test_the_schedule_is_the_same_for_the_same_seed_and_covers_the_duration(sett
     assert 2700 < len(a) < 3300 and a[-1] > 2.9
 
 
+def test_the_summary_gives_the_time_after_a_decision_beside_its_stages(settings: Settings) -> None:
+    """``after``: a decision's latency at the client less the worker's own total
+    (the commit and the read back), for measured decisions only."""
+    run = _LoadRun(LoadConfig(rate=10.0, duration_s=1.0, data=DATA, settings=settings))
+    for tx, total in (("a", 4.0), ("b", 8.0)):
+        run.sent_at[tx] = 0.0
+        run.measured_ids.add(tx)
+        run.collect({"transaction_id": tx, "action": "approve", "latency_ms": {"queue_wait": 1.0, "total": total}}, 0.02)
+    run.sent_at["warm"] = 0.0  # sent in the warm-up: not measured
+    run.collect({"transaction_id": "warm", "action": "approve", "latency_ms": {"total": 1.0}}, 0.02)
+    stages = run.summarise(sent=3, send_s=1.0)["stages_ms"]
+    assert stages["after"]["max"] == pytest.approx(16.0) and stages["after"]["p50"] == pytest.approx(14.0)
+    assert stages["total"]["max"] == 8.0 and stages["queue_wait"]["p50"] == 1.0
+
+
 def test_the_summary_says_why_decisions_were_degraded(settings: Settings) -> None:
     run = _LoadRun(LoadConfig(rate=10.0, duration_s=1.0, data=DATA, settings=settings))
     why = ["amount over the review line", "degraded: feature store unavailable"]
