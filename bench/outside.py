@@ -121,7 +121,7 @@ def summarise(
 
     ``sends``: the generator's file (``start``, ``end``, ``ids``, ``t``, ``lag_ms``:
     wall-clock seconds). ``arrivals``: the stamper's (transaction id ->
-    ``[t, degraded_why or None, cached, action]``). ``samples``: the harness's CPU
+    ``[t, degraded_why or None, cached, action, latency_ms]``). ``samples``: the harness's CPU
     readings, each with its wall-clock ``t`` (an ``event`` of ``measure_start``
     and ``send_end`` marks the window the CPU figures come from).
 
@@ -183,7 +183,7 @@ def stage_percentiles(stamps: Sequence[Sequence[Any]], latency_ms: Sequence[floa
 
     values: dict[str, list[float]] = {}
     for stamp, ms in zip(stamps, latency_ms):
-        stages = stamp[6] if len(stamp) > 6 and isinstance(stamp[6], Mapping) else {}
+        stages = _stages_of(stamp)
         for name, value in stages.items():
             if isinstance(value, (int, float)):
                 values.setdefault(name, []).append(float(value))
@@ -208,8 +208,8 @@ def first_seconds(
     lat = (decided_at[arrived] - sent[arrived]) * 1000.0
     # The worker's clock of each decision, where the stamper had it (a record's
     # queue_wait: from its timestamp to its batch's start; total: to its decision).
-    queue = np.array([_stage(a, 4) for a in got])[arrived]
-    total = np.array([_stage(a, 5) for a in got])[arrived]
+    queue = np.array([_stage(a, "queue_wait") for a in got])[arrived]
+    total = np.array([_stage(a, "total") for a in got])[arrived]
     at = decided_at[arrived]
 
     def by_second(values: np.ndarray) -> list[float | None]:
@@ -236,11 +236,16 @@ def first_seconds(
     }
 
 
-def _stage(arrival: Sequence[Any] | None, k: int) -> float:
-    """A stamp's stage time (ms), NaN where it has none (older stamps, no decision)."""
-    if arrival is None or len(arrival) <= k or arrival[k] is None:
-        return float("nan")
-    return float(arrival[k])
+def _stages_of(arrival: Sequence[Any] | None) -> Mapping[str, Any]:
+    """A stamp's copy of its decision's ``latency_ms`` (empty where it has none)."""
+    stages = arrival[4] if arrival is not None and len(arrival) > 4 else None
+    return stages if isinstance(stages, Mapping) else {}
+
+
+def _stage(arrival: Sequence[Any] | None, name: str) -> float:
+    """A stamp's stage time (ms), NaN where it has none."""
+    value = _stages_of(arrival).get(name)
+    return float(value) if isinstance(value, (int, float)) else float("nan")
 
 
 def _close(a: float | None, b: float | None, tolerance: float) -> bool | None:
@@ -406,12 +411,10 @@ def stamp(args: argparse.Namespace) -> int:
             if doc.get("degraded"):
                 words = doc.get("explanation") or ()
                 why = next((w[len(DEGRADED) :] for w in words if isinstance(w, str) and w.startswith(DEGRADED)), "?")
-            stages = doc.get("latency_ms") or {}
-            # The worker's own clock of it: from the record's timestamp to its batch's
-            # start (queue_wait) and to its decision (total); the rest is after.
+            # The worker's own clock of it (latency_ms): from the record's timestamp to
+            # its batch's start (queue_wait) and to its decision (total); the rest is after.
             seen[doc.get("transaction_id")] = [
-                now, why, bool(doc.get("cached")), doc.get("action", "none"),
-                stages.get("queue_wait"), stages.get("total"), stages,
+                now, why, bool(doc.get("cached")), doc.get("action", "none"), doc.get("latency_ms") or {},
             ]  # fmt: skip
             if wanted is not None:
                 wanted.discard(doc.get("transaction_id"))
