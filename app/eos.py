@@ -210,6 +210,9 @@ class ExactlyOnce:
         self.group_id = group_id
         self.gate_group = gate_group(group_id)
         self._gate_metadata: Any = None
+        #: The scoring group's metadata as of the last rebalance callback
+        #: (:meth:`_group_metadata`); None: read it again at the next commit.
+        self._metadata: Any = None
         #: What each transaction commits to the gate group: any offset will do, no one reads it.
         self._gate_offsets: list[Any] = []
         self.transactional_id = transactional_id
@@ -317,6 +320,7 @@ class ExactlyOnce:
     def _start(self) -> None:
         self._replace_producer()  # tried again for a minute: the coordinator may still be loading
         self._consumer = self._consumer_factory(self._consumer_config)
+        self._metadata = None
         self._consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
         # The gate group's metadata, from a consumer that never joins it: no
         # member and generation -1, which the group coordinator takes as a
@@ -376,6 +380,7 @@ class ExactlyOnce:
     # -- rebalance callbacks (client thread, inside consume) -----------------------
 
     def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
+        self._metadata = None  # a new generation: the open transaction commits with its metadata
         # Incremental (cooperative-sticky): these partitions are added to those
         # kept. Nothing taken before is void (that is what a revocation says,
         # and it bumps the generation), so an open transaction stays open and
@@ -405,6 +410,7 @@ class ExactlyOnce:
         log.info("assigned partitions %s of %s (now %s)", sorted(numbers), self.topic, sorted(self.assigned))
 
     def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
+        self._metadata = None  # before the commit below: it goes with the generation being revoked in
         # The open transaction holds records of these partitions: it ends
         # before they are given up (committed while this worker still owns
         # them, as Kafka Streams does; aborted if the group refuses).
@@ -602,7 +608,7 @@ class ExactlyOnce:
         try:
             # Every batch's, and the group's check of this worker's generation now (a zombie is fenced here).
             offsets = [kafka.TopicPartition(self.topic, p, o) for p, o in txn.next_offsets.items()]
-            self._send_offsets(producer, offsets, self._consumer.consumer_group_metadata())
+            self._send_offsets(producer, offsets, self._group_metadata())
         except kafka.KafkaException as exc:
             return self._recover(txn, exc.args[0] if exc.args else None)
         except FutureTimeout:
@@ -633,6 +639,26 @@ class ExactlyOnce:
         )
         return self._recover(txn, None)
 
+    def _group_metadata(self) -> Any:
+        """The scoring group's metadata (generation, member id) for a
+        transaction's offsets: read from the consumer once per rebalance.
+
+        NOTE: ``consumer_group_metadata()`` is a round trip to librdkafka's
+        main thread that confluent-kafka makes holding the GIL: every thread
+        of the worker, the event loop scoring the next batch included, stops
+        for it (50 µs on an idle machine, 2.5 ms at p99 and up to 5 ms with
+        the cores busy, docs/performance.md). It was made at every commit.
+        The metadata changes only with the group's generation, and librdkafka
+        (classic protocol, cooperative-sticky) calls the assignment callback
+        for every generation, an empty assignment included, which drops this
+        copy. A copy older than the group's generation can only be refused by
+        the coordinator (ILLEGAL_GENERATION: the transaction aborts and its
+        records are decided again), never accepted: fencing is unchanged.
+        """
+        if self._metadata is None:
+            self._metadata = self._consumer.consumer_group_metadata()
+        return self._metadata
+
     def _send_offsets(self, producer: Any, offsets: list[Any], group_metadata: Any) -> None:
         """``send_offsets_to_transaction``, given up after ``offsets_hung_s``
         (raises concurrent.futures.TimeoutError): see OFFSETS_HUNG_S."""
@@ -661,6 +687,7 @@ class ExactlyOnce:
         asking the group coordinator, which may be the very broker just lost
         (a hung ``send_offsets_to_transaction``).
         """
+        self._metadata = None  # refused for a generation gone by, maybe: read again for the next one
         kafka = _kafka()
         if err is not None:
             log.warning("transaction of partitions %s failed: %s", sorted(txn.first), err)

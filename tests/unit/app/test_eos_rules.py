@@ -558,6 +558,43 @@ def test_a_revocation_commits_the_open_transaction_before_the_partitions_go() ->
     assert sorted(seen(kafka)) == [b"p0-0", b"p0-1", b"p1-0", b"p1-1"]
 
 
+def test_the_groups_metadata_is_read_once_per_generation_and_a_new_one_is_committed_under() -> None:
+    """The metadata read costs a round trip to librdkafka's main thread with
+    the GIL held (app/eos.py, ``_group_metadata``): once per generation, not
+    per commit. A rebalance that moves nothing still makes a new generation;
+    the open transaction then commits under it, not under the one it began in."""
+    kafka = new_kafka()
+    kafka.cooperative = True  # the worker's assignor: nothing revoked, an empty assignment
+
+    async def body(s: ExactlyOnce) -> None:
+        consumer = consumer_of(kafka, s)
+        reads: list[int] = []
+        read = consumer.consumer_group_metadata
+
+        def counted() -> Any:
+            reads.append(consumer.generation)
+            return read()
+
+        consumer.consumer_group_metadata = counted  # type: ignore[method-assign]
+        for i in range(3):
+            fill(kafka, 0, 1)
+            batch = await take(s)
+            await s.send(batch, echo(batch))
+            assert await s.commit() == [(i + 1, "committed")]
+        assert len(reads) == 1
+        fill(kafka, 0, 1)
+        batch = await take(s)
+        seq = await s.send(batch, echo(batch))
+        kafka.rebalance(GROUP, {consumer: {0, 1}})  # the same partitions, a new generation
+        assert (await take(s)).messages == []  # served inside consume(): an empty assignment
+        assert await s.commit() == [(seq, "committed")]
+        assert reads == [reads[0], reads[0] + 1]
+
+    run(kafka, body)
+    assert kafka.committed(GROUP, TOPIC) == {0: 4}
+    assert seen(kafka) == [b"p0-0", b"p0-1", b"p0-2", b"p0-3"]
+
+
 def test_a_batch_taken_before_a_rebalance_is_never_sent() -> None:
     kafka = new_kafka()
     fill(kafka, 0, 2)
