@@ -81,6 +81,10 @@ def content_hash(tx: Transaction) -> str:
 
     Here, not in the cache: its hex digest is part of a cache key's bytes, so
     the fields and their encoding are as much the key scheme as the prefix."""
+    return _identity(tx)[0]
+
+
+def _content_digest(tx: Transaction) -> str:
     canonical = orjson.dumps([getattr(tx, f) for f in _CONTENT_FIELDS])
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
@@ -99,13 +103,22 @@ def decision_hash_key(user_id: str, digest: str) -> str:
 # Cluster a transaction's two entries share a slot (and node) with the rest of
 # what its batch reads for that user. A resend carries the same user; the same
 # transaction id under another user is not the same payment.
-@functools.lru_cache(maxsize=8192)
 def decision_keys(tx: Transaction) -> tuple[str, str]:
-    """A transaction's two decision-cache keys: by id, then by content.
+    """A transaction's two decision-cache keys: by id, then by content."""
+    return _identity(tx)[1]
+
+
+@functools.lru_cache(maxsize=8192)
+def _identity(tx: Transaction) -> tuple[str, tuple[str, str]]:
+    """A transaction's content hash and its two decision keys, computed once.
 
     NOTE: cached (a transaction is frozen, so hashable): a batch asks for them
-    at lookup, when holding its decisions, and when writing them to Redis."""
-    return decision_id_key(tx.user_id, tx.transaction_id), decision_hash_key(tx.user_id, content_hash(tx))
+    four to six times per transaction (the in-batch copies, the look-up's
+    rows, the held decisions, the index entry's header, the index), 1.0 µs
+    for the hash alone against 0.24 for a hit. One cache for both, so one
+    entry per transaction for the garbage collector."""
+    digest = _content_digest(tx)
+    return digest, (decision_id_key(tx.user_id, tx.transaction_id), decision_hash_key(tx.user_id, digest))
 
 
 # --- rate limits (pipeline/ratelimit.py, gateway/rest.py) ----------------------------
