@@ -82,8 +82,10 @@ KNOBS: dict[str, dict[str, str]] = {
     "workers_2_score": {"FRAUD_WORKER_ROLE": "score"},
     # The worker of another checkout (``--base``: the code before a change), with the same settings.
     "base": {},
+    # Two of them, against ``workers_2``.
+    "base_workers_2": {},
 }
-WORKERS = {"workers_2": 2, "workers_2_score": 2}
+WORKERS = {"workers_2": 2, "workers_2_score": 2, "base_workers_2": 2}
 
 
 def _relative(path: Path) -> str:
@@ -119,9 +121,9 @@ def main() -> None:
             saved = {k: os.environ.get(k) for k in KNOBS[name]}
             os.environ.update(KNOBS[name])
             variant = BATCHED
-            if name == "base":
+            if name.startswith("base"):
                 if not args.base:
-                    parser.error("the knob 'base' needs --base CHECKOUT")
+                    parser.error(f"the knob {name!r} needs --base CHECKOUT")
                 variant = replace(variant, checkout=str(Path(args.base).resolve()))
             if "FRAUD_BATCH_WINDOW_S" in KNOBS[name]:  # the variant's own would win
                 variant = replace(variant, batch_window_s=float(KNOBS[name]["FRAUD_BATCH_WINDOW_S"]))
@@ -132,7 +134,7 @@ def main() -> None:
             try:
                 worker.wait_ready()
                 for _ in range(WORKERS.get(name, 1) - 1):
-                    extra.append(Worker(BATCHED, svc, Path(tmp), join=worker))
+                    extra.append(Worker(variant, svc, Path(tmp), join=worker))  # the same checkout and shape
                     extra[-1].wait_ready()
                     svc.pids[f"worker{len(extra) + 1}"] = extra[-1].pid  # sampled with the others
                 run = bench._measure(worker, args.rate, phase, f"knob-{name}")
