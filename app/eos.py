@@ -320,7 +320,6 @@ class ExactlyOnce:
     def _start(self) -> None:
         self._replace_producer()  # tried again for a minute: the coordinator may still be loading
         self._consumer = self._consumer_factory(self._consumer_config)
-        self._metadata = None
         self._consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
         # The gate group's metadata, from a consumer that never joins it: no
         # member and generation -1, which the group coordinator takes as a
