@@ -35,7 +35,7 @@ SENDS: dict[str, tuple[str, ...]] = {
     "scripts": ("evalsha", "script|load"),
     # pipeline/feature_store.py: profiles and merchant risk, the velocity script
     # (window trimmed by score and capped by rank; the newest events read by ZRANGE BYSCORE REV).
-    "feature store": ("hgetall", "zadd", "zremrangebyscore", "zremrangebyrank", "expire", "zrange"),
+    "feature store": ("hmget", "zadd", "zremrangebyscore", "zremrangebyrank", "expire", "zrange"),
     # pipeline/cache.py: MGET by id and content hash; SET NX EX (in a script, or pipelined on a cluster).
     "decision cache": ("mget", "set"),
     # pipeline/auth.py: SET NX GET EX per signature.

@@ -27,6 +27,8 @@ from pipeline.feature_defs import VELOCITY_MAX_EVENTS
 from pipeline.features import (
     DAY_S,
     FEATURE_SET_VERSION,
+    MERCHANT_FIELDS,
+    PROFILE_FIELDS,
     MerchantRisk,
     UserProfile,
     velocity_batch,
@@ -75,7 +77,8 @@ return redis.call('ZRANGE', KEYS[1], ARGV[2], '(' .. ARGV[4], 'BYSCORE', 'REV', 
 #: the local cache. KEYS: the n velocity keys. ARGV: n, p, retention (s), then
 #: per transaction member, time, prune before, window start, then the p profile
 #: keys and the merchant keys. Returns n velocity replies (ZRANGE's own: member,
-#: time, ...), then the hashes (flat).
+#: time, ...), then each hash's values in PROFILE_FIELDS or MERCHANT_FIELDS
+#: order (HMGET: nil for a field, or a hash, that is not there).
 #: NOTE: the replies are returned as ZRANGE gives them, and the worker takes
 #: each member's amount (after its last '|'): a string.match per event in Lua
 #: cost Redis ~0.6 us an event, a third of the script at 30 events a user
@@ -85,7 +88,7 @@ return redis.call('ZRANGE', KEYS[1], ARGV[2], '(' .. ARGV[4], 'BYSCORE', 'REV', 
 #: Redis checks a script's declared KEYS against the caller's ACL as writable
 #: (it cannot tell how a script uses them), and the worker's ACL user may only
 #: read features (SECURITY.md, *Redis users*); an undeclared key is checked per
-#: command (HGETALL: a read). One server only, as this script already is.
+#: command (HMGET: a read). One server only, as this script already is.
 #: NOTE: each pipelined command costs the worker ~30-50 us of Python in
 #: redis-py (packing, parsing, futures); a batch of 32 sent ~70 of them, the
 #: biggest single cost of a saturated worker's event loop. A Redis Cluster
@@ -106,12 +109,16 @@ for i = 1, n do
   out[i] = redis.call('ZRANGE', KEYS[i], ARGV[a + 2], '(' .. ARGV[a + 4], 'BYSCORE', 'REV', 'LIMIT', 0, MAX_EVENTS, 'WITHSCORES')
 end
 local first = 3 + n * 4
+local profile, merchant = {PROFILE_FIELDS}, {MERCHANT_FIELDS}
 for j = first + 1, #ARGV do
-  out[n + j - first] = redis.call('HGETALL', ARGV[j])
+  out[n + j - first] = redis.call('HMGET', ARGV[j], unpack(j <= first + p and profile or merchant))
 end
 return out
 end
 """.replace("KEEP_EVENTS_PLUS_ONE", str(VELOCITY_KEEP_EVENTS + 1)).replace("MAX_EVENTS", str(VELOCITY_MAX_EVENTS))
+BATCH_ENRICH_FUNCTION = BATCH_ENRICH_FUNCTION.replace(
+    "PROFILE_FIELDS", ", ".join(f"'{f}'" for f in PROFILE_FIELDS)
+).replace("MERCHANT_FIELDS", ", ".join(f"'{f}'" for f in MERCHANT_FIELDS))
 BATCH_ENRICH_SCRIPT = BATCH_ENRICH_FUNCTION + "return enrich(KEYS, ARGV)\n"
 
 
@@ -181,15 +188,21 @@ class TTLCache:
         return len(self._items)
 
 
-def _decode_profile(raw: Mapping[Any, Any]) -> UserProfile | None:
-    if not raw:
+def _profile(values: Sequence[Any], user_id: str) -> UserProfile | None:
+    """A user's profile from its hash's PROFILE_FIELDS (HMGET); None when the
+    hash is not there. Raises FeatureStoreError on one of another feature set."""
+    if all(v is None for v in values):
         return None
-    profile = UserProfile.from_mapping(dict(raw))
-    return profile
+    _check_feature_set(values[-1], profile_key(user_id))
+    return UserProfile.from_values(values)
 
 
-def _check_feature_set(raw: Mapping[Any, Any], key: str) -> None:
-    version = raw.get(b"feature_set", raw.get("feature_set"))
+def _merchant(values: Sequence[Any]) -> MerchantRisk | None:
+    """A merchant's risk from its hash's MERCHANT_FIELDS (HMGET); None when it is not there."""
+    return None if all(v is None for v in values) else MerchantRisk.from_values(values)
+
+
+def _check_feature_set(version: bytes | str | None, key: str) -> None:
     if isinstance(version, bytes):
         version = version.decode()
     if version != FEATURE_SET_VERSION:
@@ -244,9 +257,9 @@ class RedisFeatureStore:
             need_profile = not self._profiles.get(tx.user_id, now)[0]
             need_merchant = not self._merchants.get(tx.merchant_id, now)[0]
             if need_profile:
-                pipe.hgetall(profile_key(tx.user_id))
+                pipe.hmget(profile_key(tx.user_id), PROFILE_FIELDS)
             if need_merchant:
-                pipe.hgetall(merchant_key(tx.merchant_id))
+                pipe.hmget(merchant_key(tx.merchant_id), MERCHANT_FIELDS)
             # One command per transaction for the velocity state (see VELOCITY_SCRIPT).
             # NOTE: execute_command, which is what evalsha() sends: redis-py's cluster
             # pipeline blocks the evalsha() method, not the command (one key, one slot).
@@ -260,13 +273,9 @@ class RedisFeatureStore:
         out: list[Enrichment] = []
         for tx, (need_profile, need_merchant) in zip(txs, plan):
             if need_profile:
-                raw = next(replies)
-                if raw:
-                    _check_feature_set(raw, profile_key(tx.user_id))
-                self._profiles.put(tx.user_id, _decode_profile(raw), now)
+                self._profiles.put(tx.user_id, _profile(next(replies), tx.user_id), now)
             if need_merchant:
-                raw = next(replies)
-                self._merchants.put(tx.merchant_id, MerchantRisk.from_mapping(raw) if raw else None, now)
+                self._merchants.put(tx.merchant_id, _merchant(next(replies)), now)
             out.append(
                 Enrichment(
                     profile=self._profiles.get(tx.user_id, now)[1],
@@ -305,13 +314,9 @@ class RedisFeatureStore:
         Raises FeatureStoreError on a profile of another feature set."""
         hashes = iter(replies[len(txs):])
         for user_id in profiles:
-            raw = _pairs(next(hashes))
-            if raw:
-                _check_feature_set(raw, profile_key(user_id))
-            self._profiles.put(user_id, _decode_profile(raw), now)
+            self._profiles.put(user_id, _profile(next(hashes), user_id), now)
         for merchant_id in merchants:
-            raw = _pairs(next(hashes))
-            self._merchants.put(merchant_id, MerchantRisk.from_mapping(raw) if raw else None, now)
+            self._merchants.put(merchant_id, _merchant(next(hashes)), now)
         # Every transaction's events (member, time, ...) parsed and windowed at once.
         n = len(txs)
         events = replies[:n]
@@ -330,11 +335,6 @@ class RedisFeatureStore:
 
     async def close(self) -> None:
         return None  # the client belongs to whoever built it
-
-
-def _pairs(flat: Sequence[Any]) -> dict[Any, Any]:
-    """A HGETALL reply as a script returns it (flat) as the dict redis-py makes of it."""
-    return dict(zip(flat[0::2], flat[1::2]))
 
 
 def _velocity(flat: Sequence[Any], tx: Transaction) -> tuple[float, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,9 @@ from app.contract import Transaction
 from pipeline.features import (
     DAY_S,
     FEATURE_NAMES,
+    MERCHANT_FIELDS,
+    PROFILE_FIELDS,
+    MerchantRisk,
     UserProfile,
     available_features,
     build_merchant_risk,
@@ -161,8 +165,14 @@ def test_available_features_drop_what_needs_missing_columns() -> None:
     assert available_features(FEATURE_NAMES + ("lat", "lon", "device_id")) == list(FEATURE_NAMES)
 
 
-def test_profile_round_trips_through_a_redis_shaped_mapping() -> None:
+def test_profile_and_merchant_round_trip_through_their_redis_hashes_fields() -> None:
     profile = UserProfile(1, 2, 3, 1.5, 2.5, 3.5, float("nan"), 48.0, 11.0, frozenset({"a", "b"}), 1.0, 2.0)
     mapping = {k.encode(): v.encode() for k, v in profile.to_mapping().items()}
-    back = UserProfile.from_mapping(mapping)
+    assert set(mapping) == {f.encode() for f in PROFILE_FIELDS}  # HMGET reads every field written
+    back = UserProfile.from_values([mapping[f.encode()] for f in PROFILE_FIELDS])  # as HMGET answers
     assert back.devices == profile.devices and back.count_30d == 3 and math.isnan(back.std_30d)
+    assert back == replace(profile, std_30d=back.std_30d)
+    risk = MerchantRisk(5, 40, 900, 0.0, 0.025, 0.0125, 1.0, 2.0)
+    written = risk.to_mapping()
+    assert set(written) == set(MERCHANT_FIELDS)
+    assert MerchantRisk.from_values([written[f].encode() for f in MERCHANT_FIELDS]) == risk
