@@ -23,6 +23,7 @@ $BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --publ
 $BIN/fraud-pipeline materialize --data $DATA >/dev/null 2>&1
 $BIN/fraud-pipeline worker > .stack/thr-worker.log 2>&1 &
 W=$!
+trap 'kill -KILL $W 2>/dev/null || true; $BIN/python -m tools.stack down >/dev/null' EXIT
 for _ in $(seq 1 120); do grep -q "Ready" .stack/thr-worker.log && break; sleep 0.5; done
 # Each thread as TID_name: librdkafka names its own (rdk:main, rdk:broker<id>); Python's
 # show as the process's name, and py-spy's dump below names them by TID.
@@ -39,7 +40,8 @@ B=$(pgrep -n -f kafka.Kafka || true)
 procs() { for p in worker:$W broker:$B redis:$R loadgen:$L; do echo "${p%%:*} $(awk '{print $14+$15}' /proc/${p#*:}/stat 2>/dev/null || echo 0)"; done; }
 sleep $((5 + WARM)); snap > .stack/thr-s1; sched > .stack/thr-q1; idle > .stack/thr-i1; procs > .stack/thr-p1
 sleep 10; snap > .stack/thr-s2; sched > .stack/thr-q2; idle > .stack/thr-i2; procs > .stack/thr-p2
-wait $L
+# A load that fell behind ends with transactions still undecided, and loadgen says so in its status.
+wait $L || true
 join .stack/thr-s1 .stack/thr-s2 | awk '{printf "%-10s %6.1f%% of a core\n", $1, ($3-$2)/10}' | sort -k2 -nr | head -14
 # A thread that is neither running nor waiting for a core waits on I/O (epoll, a
 # lock, a reply): what separates "the machine is full" from "the loop waits on a call".
@@ -48,5 +50,4 @@ paste .stack/thr-i1 .stack/thr-i2 | awk '{printf "machine: %.1f%% of its cores i
 join .stack/thr-p1 .stack/thr-p2 | awk '{printf "%s %.1f%% ", $1, ($3-$2)/10} END {print "of a core"}'
 $BIN/py-spy dump --pid $W 2>/dev/null | grep -E "^Thread" || true
 tail -1 .stack/thr-load.txt
-kill -TERM $W; sleep 3; kill -KILL $W 2>/dev/null || true
-$BIN/python -m tools.stack down >/dev/null
+kill -TERM $W; sleep 3

@@ -73,7 +73,7 @@ return redis.call('ZRANGE', KEYS[1], ARGV[2], '(' .. ARGV[4], 'BYSCORE', 'REV', 
 
 
 #: The whole batch in one command (one Redis server): for each transaction the
-#: steps of VELOCITY_SCRIPT, then HGETALL of the profiles and merchants not in
+#: steps of VELOCITY_SCRIPT, then HMGET of the profiles and merchants not in
 #: the local cache. KEYS: the n velocity keys. ARGV: n, p, retention (s), then
 #: per transaction member, time, prune before, window start, then the p profile
 #: keys and the merchant keys. Returns n velocity replies (ZRANGE's own: member,

@@ -576,6 +576,18 @@ def test_transactions_keep_their_types_in_feedback(world: World, ensemble: Any) 
     assert feedback["transaction"]["timestamp"] == pytest.approx(datetime.fromisoformat(doc["timestamp"]).timestamp())
 
 
+def test_feedback_holds_the_decision_as_sent_and_a_feature_not_computable_as_null(world: World, ensemble: Any) -> None:
+    scorer = make_scorer(world, ensemble)
+    doc = world.tx(105)
+    doc.pop("device_id", None)  # optional: new_device cannot be computed (NaN), and JSON has no NaN
+    out = score(scorer, [inbound(doc, world)])
+    [(_, sent, _, _)] = out.decisions
+    feedback = orjson.loads(out.feedback[0][1])
+    assert feedback["decision"] == orjson.loads(sent)
+    assert feedback["features"]["new_device"] is None
+    assert feedback["features"]["amount_usd"] > 0
+
+
 def test_an_oversized_message_leaves_a_dead_letter_small_enough_to_produce() -> None:
     """The dead letter keeps a prefix, the size and the sha256 of a value over the
     limit: its base64 must stay far below the producer's 1 MB request limit."""
