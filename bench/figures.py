@@ -194,6 +194,26 @@ def _goal_knee(variants: tuple[str, ...], tps: float) -> Callable[[Mapping[str, 
     return check
 
 
+def _goal_seed_rate(tps: float) -> Callable[[Mapping[str, Any]], tuple[str, bool | None]]:
+    """``tps`` in both load shapes, each by its better worker count: the
+    inside shape runs one worker and two (``batched``, ``batched-x2``), the
+    outside shape one (``outside``). Met when each shape reached it."""
+
+    def check(doc: Mapping[str, Any]) -> tuple[str, bool | None]:
+        shapes = {"inside": ("batched", "batched-x2"), "outside": ("outside",)}
+        parts, best = [], {}
+        for shape, variants in shapes.items():
+            knees = {v: k for v in variants if (k := _knee(doc, v)[0]) is not None}
+            if knees:
+                best[shape] = max(knees.values())
+                parts.append(f"{shape}: " + ", ".join(f"`{v}` {_knee_text(doc, v)}" for v in knees))
+        if not best:
+            return "not measured", None
+        return "; ".join(parts), len(best) == len(shapes) and all(k >= tps for k in best.values())
+
+    return check
+
+
 def _goal_shapes(doc: Mapping[str, Any]) -> tuple[str, bool | None]:
     pairs = doc.get("shapes") or {}
     if not pairs:
@@ -227,7 +247,7 @@ def _goal_first_seconds(doc: Mapping[str, Any]) -> tuple[str, bool | None]:
 #: The goals every run is read against (the project's targets on this 2-core machine).
 GOALS: tuple[Goal, ...] = (
     Goal("p99 ≤ 50 ms and p50 ≤ 25 ms at every rate from 10 to 2,000 TPS, both load shapes", _goal_latency_every_rate),
-    Goal("5,000 TPS at p99 < 200 ms (one or two workers)", _goal_knee(("batched", "batched-x2"), 5000.0)),
+    Goal("5,000 TPS at p99 < 200 ms, both load shapes (one or two workers)", _goal_seed_rate(5000.0)),
     Goal("2,000 TPS at p99 < 200 ms, both load shapes", _goal_knee(("batched", "outside"), 2000.0)),
     Goal("the two load shapes agree within 10 %", _goal_shapes),
     Goal("p99 below the Kafka Streams peer's at every rate up to the knee", _goal_peer),
