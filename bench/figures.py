@@ -195,12 +195,12 @@ def _goal_knee(variants: tuple[str, ...], tps: float) -> Callable[[Mapping[str, 
 
 
 def _goal_seed_rate(tps: float) -> Callable[[Mapping[str, Any]], tuple[str, bool | None]]:
-    """``tps`` in both load shapes, each by its better worker count: the
-    inside shape runs one worker and two (``batched``, ``batched-x2``), the
-    outside shape one (``outside``). Met when each shape reached it."""
+    """``tps`` in both load shapes, each by its better worker count (one or
+    two: ``batched``, ``batched-x2``; ``outside``, ``outside-x2``). Met when
+    each shape reached it."""
 
     def check(doc: Mapping[str, Any]) -> tuple[str, bool | None]:
-        shapes = {"inside": ("batched", "batched-x2"), "outside": ("outside",)}
+        shapes = {"inside": ("batched", "batched-x2"), "outside": ("outside", "outside-x2")}
         parts, best = [], {}
         for shape, variants in shapes.items():
             knees = {v: k for v in variants if (k := _knee(doc, v)[0]) is not None}

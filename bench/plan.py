@@ -9,7 +9,7 @@ from typing import Any
 
 __all__ = [
     "BARE", "BATCHED", "BATCHED_X2", "CEILING", "DATA", "DEFAULT_BATCH", "FULL_PLAN", "MAIN_VARIANTS", "OUTSIDE",
-    "OUTSIDE_POISSON", "POPULATION", "POPULATION_ARGS", "QUICK_PLAN", "REPO", "RESULTS_DIR", "SIMULATE_ARGS",
+    "OUTSIDE_POISSON", "OUTSIDE_X2", "POPULATION", "POPULATION_ARGS", "QUICK_PLAN", "REPO", "RESULTS_DIR", "SIMULATE_ARGS",
     "STREAMS", "STREAMS_25MS", "UNBATCHED", "Leg", "Phase", "Plan", "Variant", "sweep_variants",
 ]  # fmt: skip
 
@@ -100,6 +100,9 @@ BATCHED_X2 = replace(BATCHED, name="batched-x2", workers=2)
 #: a constant-rate generator process and a read_committed stamper process.
 OUTSIDE = replace(BATCHED, name="outside", shape="outside", arrivals="constant")
 OUTSIDE_POISSON = replace(OUTSIDE, name="outside-poisson", arrivals="poisson")
+#: Two default workers in one group under the outside shape: the seed's
+#: 5,000 TPS is asked of both load shapes, one worker or two.
+OUTSIDE_X2 = replace(OUTSIDE, name="outside-x2", workers=2)
 
 
 def sweep_variants(sizes: Sequence[int], windows_ms: Sequence[int]) -> tuple[Variant, ...]:
@@ -193,10 +196,11 @@ FULL_PLAN = Plan(
     # NOTE: ~0.5 minutes warming the broker, ~10.5 for the main variants and
     # the sweep, ~5 for the Kafka Streams peer's two variants (five rates, a
     # JVM start, the searches), ~5.5 for a fresh worker, the outside shape and
-    # two workers; the sweep gets what is left (its cells are cut first). At
-    # 1,200 s the two workers' knee search was cut in the runs of 2026-12-07,
-    # which left their knee a bracket (2,000-4,000).
-    deadline_s=1290.0,
+    # two workers, ~1.5 for two workers under the outside shape; the sweep gets
+    # what is left (its cells are cut first). At 1,200 s the two workers' knee
+    # search was cut in the runs of 2026-12-07, which left their knee a
+    # bracket (2,000-4,000).
+    deadline_s=1380.0,
     legs=(
         # The outside shape warms up 5 s, as the independent client did; its
         # knee is searched in as many steps as the inside one's (two left it
@@ -204,6 +208,8 @@ FULL_PLAN = Plan(
         Leg(OUTSIDE, (500.0, 1000.0, 2000.0), Phase(5.0, 8.0, 5.0), Phase(5.0, 4.0, 2.0), (3, 0)),
         Leg(OUTSIDE_POISSON, (1000.0, 2000.0), Phase(5.0, 8.0, 5.0), Phase(5.0, 4.0, 2.0), (0, 0)),
         Leg(BATCHED_X2, (1000.0, 2000.0, 4000.0), Phase(4.0, 8.0, 5.0), Phase(4.0, 4.0, 2.0), (2, 0)),
+        # Its knee only, from where one worker's is: two workers' low rates tell nothing new.
+        Leg(OUTSIDE_X2, (4000.0,), Phase(5.0, 8.0, 5.0), Phase(5.0, 4.0, 2.0), (2, 0)),
     ),
     fresh_rate=1500.0,
     # NOTE: a broker just started compiles its hot paths meanwhile: 12-22 s

@@ -32,6 +32,7 @@ Then the legs (:class:`Leg`), each at its own rates with its own searches:
                      score`` with default settings; 5 s of warm-up
     outside-poisson  the same with Poisson arrivals (full mode only)
     batched-x2       two batched workers in one group (full mode only)
+    outside-x2       two workers under the outside shape, its knee from 4,000 TPS (full mode only)
 
 and the report says whether ``batched`` and ``outside`` agree within 10 % on
 the max rate, p99 and CPU per decision (``shapes`` in the results).
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument(
         "--only", nargs="+", metavar="NAME",
-        help="measure only these of the main variants, the legs (outside, outside-poisson, batched-x2) and fresh; "
+        help="measure only these of the main variants, the legs (outside, outside-poisson, batched-x2, outside-x2) and fresh; "
         "with --full-legs, the full plan's legs and fresh row in a quick run",
     )  # fmt: skip
     parser.add_argument("--full-legs", action="store_true", help="the full plan's legs and fresh row (with --quick)")

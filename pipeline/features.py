@@ -159,7 +159,7 @@ class MerchantRisk:
 #: the order ``from_values`` takes them, each ending with the feature set that
 #: wrote it. NOTE: HMGET, not HGETALL: the values alone, in a known order, so
 #: a batch's ~250 hashes become profiles without a dict, a decode and a look-up
-#: per field (~19 % of the scorer's CPU, docs/performance.md).
+#: per field (about a fifth of the scorer's samples in a profile, docs/performance.md).
 PROFILE_FIELDS: tuple[str, ...] = (*(f.name for f in fields(UserProfile)), "feature_set")
 MERCHANT_FIELDS: tuple[str, ...] = (*(f.name for f in fields(MerchantRisk)), "feature_set")
 

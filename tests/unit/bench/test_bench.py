@@ -462,5 +462,6 @@ def test_the_seed_rate_goal_is_met_only_when_both_load_shapes_reach_it() -> None
     text, met = goal(doc(batched=4800.0, **{"batched-x2": 5300.0}, outside=4000.0))
     assert met is False and "`batched-x2` 5,300" in text and "outside: `outside` 4,000" in text
     assert goal(doc(batched=4800.0, **{"batched-x2": 5300.0}, outside=5100.0))[1] is True
+    assert goal(doc(batched=4800.0, **{"batched-x2": 5300.0}, outside=4000.0, **{"outside-x2": 5200.0}))[1] is True
     assert goal(doc(batched=5200.0))[1] is False  # the outside shape not measured is not a pass
     assert goal(doc()) == ("not measured", None)
