@@ -216,7 +216,7 @@ clean: stack-down
 # Benchmark: transport ceiling vs unbatched vs batched pipeline on one broker,
 # and the Kafka Streams peer beside them; latency vs offered rate, max
 # sustainable rate, batch sweep (bench/run.py).
-# ~18 minutes (the peer, both load shapes, two workers and a fresh worker included); QUICK=1: one rate and
+# ~20 minutes (the peer, both load shapes, two workers under each and a fresh worker included); QUICK=1: one rate and
 # one search probe, short runs, no sweep (~3 minutes).
 .PHONY: bench
 bench: setup streams
