@@ -196,7 +196,7 @@ FULL_PLAN = Plan(
     # NOTE: ~0.5 minutes warming the broker, ~10.5 for the main variants and
     # the sweep, ~5 for the Kafka Streams peer's two variants (five rates, a
     # JVM start, the searches), ~5.5 for a fresh worker, the outside shape and
-    # two workers, ~1.5 for two workers under the outside shape; the sweep gets
+    # two workers, ~2 for two workers under the outside shape; the sweep gets
     # what is left (its cells are cut first). At 1,200 s the two workers' knee
     # search was cut in the runs of 2026-12-07, which left their knee a
     # bracket (2,000-4,000).

@@ -6,9 +6,11 @@
 # a third of a core compiling its hot paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=.venv/bin; DATA=data/transactions.parquet
+BIN=.venv/bin; DATA=data/transactions.parquet; W=""
 # py-spy names the threads; a tool for this script, not a dependency of the project.
 test -x $BIN/py-spy || $BIN/python -m pip install -q py-spy
+# Whatever way it ends, what it started stops: the worker, then the stack.
+trap '{ [[ -n "$W" ]] && kill -KILL $W 2>/dev/null; } || true; $BIN/python -m tools.stack down >/dev/null' EXIT
 $BIN/python -m tools.stack up >/dev/null
 source .stack/env
 # Topics of its own, as bench/profile.sh: the local stack keeps earlier runs'
@@ -23,7 +25,6 @@ $BIN/fraud-pipeline decision-key --key "$FRAUD_DECISION_SIGNING_KEY_FILE" --publ
 $BIN/fraud-pipeline materialize --data $DATA >/dev/null 2>&1
 $BIN/fraud-pipeline worker > .stack/thr-worker.log 2>&1 &
 W=$!
-trap 'kill -KILL $W 2>/dev/null || true; $BIN/python -m tools.stack down >/dev/null' EXIT
 for _ in $(seq 1 120); do grep -q "Ready" .stack/thr-worker.log && break; sleep 0.5; done
 # Each thread as TID_name: librdkafka names its own (rdk:main, rdk:broker<id>); Python's
 # show as the process's name, and py-spy's dump below names them by TID.

@@ -449,15 +449,15 @@ def test_the_summary_names_the_machines_speed_over_the_run_when_recorded() -> No
 
 
 
-def test_the_seed_rate_goal_is_met_only_when_both_load_shapes_reach_it() -> None:
-    from bench.figures import _goal_seed_rate
+def test_a_rate_goal_is_met_only_when_both_load_shapes_reach_it() -> None:
+    from bench.figures import _goal_rate
 
     def doc(**knees: float) -> dict[str, Any]:
         return {"max_sustainable": {
             v: {"p99_under_200ms": {"bracket": [k, k * 1.5], "lower_bound": False}} for v, k in knees.items()
         }}  # fmt: skip
 
-    goal = _goal_seed_rate(5000.0)
+    goal = _goal_rate(5000.0, workers=2)
     # Two workers reach it inside; the outside shape (one worker) does not: not met.
     text, met = goal(doc(batched=4800.0, **{"batched-x2": 5300.0}, outside=4000.0))
     assert met is False and "`batched-x2` 5,300" in text and "outside: `outside` 4,000" in text
@@ -465,3 +465,9 @@ def test_the_seed_rate_goal_is_met_only_when_both_load_shapes_reach_it() -> None
     assert goal(doc(batched=4800.0, **{"batched-x2": 5300.0}, outside=4000.0, **{"outside-x2": 5200.0}))[1] is True
     assert goal(doc(batched=5200.0))[1] is False  # the outside shape not measured is not a pass
     assert goal(doc()) == ("not measured", None)
+    # One worker each: two workers' knees do not count.
+    one = _goal_rate(2000.0, workers=1)
+    assert one(doc(batched=1500.0, **{"batched-x2": 3000.0}, outside=2500.0))[1] is False
+    assert one(doc(batched=2500.0, outside=2100.0, **{"outside-x2": 1000.0})) == (
+        "inside: `batched` 2,500; outside: `outside` 2,100", True
+    )
