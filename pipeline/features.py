@@ -156,12 +156,13 @@ class MerchantRisk:
 
 
 #: The fields a store reads of a profile's and a merchant's hash (HMGET), in
-#: the order ``from_values`` takes them, each ending with the feature set that
-#: wrote it. NOTE: HMGET, not HGETALL: the values alone, in a known order, so
+#: the order ``from_values`` takes them; a profile's end with the feature set
+#: that wrote it (the store refuses another; a merchant's is not checked, so
+#: not read). NOTE: HMGET, not HGETALL: the values alone, in a known order, so
 #: a batch's ~250 hashes become profiles without a dict, a decode and a look-up
 #: per field (about a fifth of the scorer's samples in a profile, docs/performance.md).
 PROFILE_FIELDS: tuple[str, ...] = (*(f.name for f in fields(UserProfile)), "feature_set")
-MERCHANT_FIELDS: tuple[str, ...] = (*(f.name for f in fields(MerchantRisk)), "feature_set")
+MERCHANT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(MerchantRisk))
 
 
 # --- real-time features ------------------------------------------------------

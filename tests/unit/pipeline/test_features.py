@@ -174,5 +174,5 @@ def test_profile_and_merchant_round_trip_through_their_redis_hashes_fields() -> 
     assert back == replace(profile, std_30d=back.std_30d)
     risk = MerchantRisk(5, 40, 900, 0.0, 0.025, 0.0125, 1.0, 2.0)
     written = risk.to_mapping()
-    assert set(written) == set(MERCHANT_FIELDS)
+    assert set(written) == {*MERCHANT_FIELDS, "feature_set"}
     assert MerchantRisk.from_values([written[f].encode() for f in MERCHANT_FIELDS]) == risk
